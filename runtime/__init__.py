@@ -1,0 +1,1 @@
+"""phasesplit runtime: model, engine, KV transfer, worker and router servers, CLI."""

@@ -1,0 +1,176 @@
+"""The `phasesplit` command line.
+
+`phasesplit serve` is the contract between the operator and the runtime: the operator renders
+container args that this parser must accept (tests/unit/test_contract.py checks it). Keep flags
+backwards compatible; add, do not rename.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+ROLES = ("both", "prefill", "decode", "router")
+FAILURE_POLICIES = ("retry", "local", "fail", "retry-local")
+
+
+def parse_bytes(text: str) -> int:
+    """Parse a memory size: plain bytes, or with a unit (KiB, MiB, GiB, KB, MB, GB, Ki, Mi, Gi)."""
+    units = {
+        "": 1, "b": 1,
+        "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024,
+        "m": 1000**2, "mb": 1000**2, "mi": 1024**2, "mib": 1024**2,
+        "g": 1000**3, "gb": 1000**3, "gi": 1024**3, "gib": 1024**3,
+    }
+    s = text.strip().lower()
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):].strip()
+    if unit not in units or not num:
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (use e.g. 2GiB, 512MiB, 1000000)")
+    try:
+        value = float(num)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"memory size must be positive: {text!r}")
+    return int(value * units[unit])
+
+
+def parse_seconds(text: str) -> float:
+    """Parse a duration: plain seconds or with a unit (ms, s, m)."""
+    s = text.strip().lower()
+    for unit, scale in (("ms", 1e-3), ("s", 1.0), ("m", 60.0)):
+        if s.endswith(unit):
+            s, factor = s[: -len(unit)], scale
+            break
+    else:
+        factor = 1.0
+    try:
+        value = float(s) * factor
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (use e.g. 30s, 500ms)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"duration must be positive: {text!r}")
+    return value
+
+
+def _url_list(text: str) -> list[str]:
+    return [u.strip().rstrip("/") for u in text.split(",") if u.strip()]
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Flags that pick and size the model; shared by `serve` and `up`."""
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="smollm2",
+                   help="'smollm2' (the bundled GGUF), a .gguf file, or a Hugging Face directory")
+    g.add_argument("--served-model-name", default=None,
+                   help="name clients use in the API (default: derived from --model)")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length limit (default: the model's)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                   help="bytes for the KV cache, e.g. 2GiB (default: a fraction of free memory)")
+    g.add_argument("--kv-cache-fraction", type=float, default=0.3,
+                   help="fraction of free device memory for the KV cache when --kv-cache-memory is unset")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests in the running batch")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="token budget of one engine step (prefill chunks are cut to fit)")
+    g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="turn off prefix caching")
+    g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all allowed)")
+    g.add_argument("--no-compile", dest="compile", action="store_false",
+                   help="skip torch.compile / CUDA graphs (faster start, slower steps)")
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--role", choices=ROLES, default="both",
+                   help="both: colocated; prefill/decode: one phase; router: the OpenAI front end")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_model_args(p)
+    g = p.add_argument_group("phase split")
+    g.add_argument("--kv-port", type=int, default=0,
+                   help="decode worker: TCP port that receives KV blocks (0: a free port)")
+    g.add_argument("--kv-host", default=None,
+                   help="decode worker: address prefill workers use to reach the KV port (default: --host)")
+    g.add_argument("--prefill-urls", type=_url_list, default=[],
+                   help="router/decode: comma-separated prefill worker URLs")
+    g.add_argument("--decode-urls", type=_url_list, default=[],
+                   help="router: comma-separated decode worker URLs")
+    g.add_argument("--discovery", choices=("static", "kubernetes"), default="static",
+                   help="router: workers from flags, or from the ready endpoints of Kubernetes Services")
+    g.add_argument("--namespace", default=None, help="router: namespace of the phase Services")
+    g.add_argument("--prefill-service", default=None, help="router: headless Service of prefill workers")
+    g.add_argument("--decode-service", default=None, help="router: headless Service of decode workers")
+    g.add_argument("--on-prefill-failure", choices=FAILURE_POLICIES, default="retry-local",
+                   help="decode worker: what to do when a prefill worker fails or times out")
+    g.add_argument("--prefill-timeout", type=parse_seconds, default=30.0,
+                   help="decode worker: seconds to wait for a remote prefill")
+    g.add_argument("--local-prefill-threshold", type=int, default=0,
+                   help="decode worker: prompts of at most this many uncached tokens are prefilled locally")
+    g.add_argument("--api-key-env", default="PHASESPLIT_API_KEY",
+                   help="router: env var holding the API key clients must send (unset: no auth)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="phasesplit", description="Phase-split LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run one runtime role (a pod's entry point)")
+    add_serve_args(serve)
+
+    up = sub.add_parser("up", help="run router + prefill + decode locally as child processes")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000, help="router port")
+    up.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+    up.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    up.add_argument("--colocated", action="store_true", help="one 'both' worker instead of a split")
+    up.add_argument("--pin-cpus", action="store_true", help="pin each worker to its own CPU cores")
+    up.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    up.add_argument("--on-prefill-failure", choices=FAILURE_POLICIES, default="retry-local")
+    up.add_argument("--prefill-timeout", type=parse_seconds, default=30.0)
+    up.add_argument("--local-prefill-threshold", type=int, default=0)
+    add_model_args(up)
+
+    # Other subcommands register their own flags. Their cli modules import only argparse at
+    # module level (heavy imports go inside run()) so that `serve` stays fast to start.
+    for name, module, help_text in _PLUGINS:
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue
+        mod.add_arguments(sub.add_parser(name, help=help_text))
+    return parser
+
+
+# (subcommand, module with add_arguments(parser) and run(args) -> int, help)
+_PLUGINS = [
+    ("operator", "phasesplit.operator.cli", "run the Kubernetes operator"),
+    ("bench", "phasesplit.runtime.bench.cli", "benchmark any OpenAI-compatible endpoint"),
+    ("sim", "phasesplit.operator.sim.cli", "replay a workload through the autoscaler in simulated time"),
+]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        from phasesplit.runtime.server.launch import serve
+
+        return serve(args)
+    if args.command == "up":
+        from phasesplit.runtime.up import up
+
+        return up(args)
+    for name, module, _ in _PLUGINS:
+        if args.command == name:
+            return importlib.import_module(module).run(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
