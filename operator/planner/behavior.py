@@ -1,0 +1,158 @@
+"""HPA-style scaling behavior: stabilization windows, rate-limit policies, bounds, P:D ratio.
+
+The semantics follow autoscaling/v2 so that a spec written for an HPA means the same here:
+- scale-down stabilization: the count never drops below the highest recommendation of the
+  window (default 300 s), which is what stops flapping on a noisy steady load;
+- scale-up stabilization: the count never rises above the lowest recommendation of its window
+  (default 0 s, i.e. react at once);
+- policies cap the change per period, measured from the count at the start of the period
+  (Pods: ±value; Percent: ×(1 ± value/100)); selectPolicy Max picks the policy allowing the
+  biggest change, Min the smallest, Disabled forbids changes in that direction.
+One addition: after a restart (empty history) nothing scales down until a whole window of
+recommendations has been seen, so losing the operator's memory cannot cause a drop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+PolicyType = Literal["Pods", "Percent"]
+SelectPolicy = Literal["Max", "Min", "Disabled"]
+
+
+@dataclass(frozen=True)
+class ScalingPolicy:
+    type: PolicyType
+    value: int
+    period_s: float
+
+
+@dataclass(frozen=True)
+class ScalingRules:
+    stabilization_s: float
+    policies: tuple[ScalingPolicy, ...]
+    select: SelectPolicy = "Max"
+
+
+# The autoscaling/v2 defaults.
+DEFAULT_SCALE_UP = ScalingRules(0.0, (ScalingPolicy("Percent", 100, 15), ScalingPolicy("Pods", 4, 15)))
+DEFAULT_SCALE_DOWN = ScalingRules(300.0, (ScalingPolicy("Percent", 100, 15),))
+
+
+@dataclass(frozen=True)
+class Behavior:
+    scale_up: ScalingRules = DEFAULT_SCALE_UP
+    scale_down: ScalingRules = DEFAULT_SCALE_DOWN
+
+
+@dataclass
+class PhaseLimiter:
+    """The memory one phase needs between decisions: recent recommendations and changes."""
+
+    behavior: Behavior
+    recommendations: deque[tuple[float, int]] = field(default_factory=deque)
+    changes: deque[tuple[float, int]] = field(default_factory=deque)  # (time, replicas added/removed)
+    started: float | None = None
+
+    def apply(self, now: float, current: int, recommended: int, lo: int, hi: int,
+              urgent: bool = False) -> tuple[int, str]:
+        """Desired replicas from a raw recommendation; the note says what held it back, if anything.
+
+        `urgent` (an observed SLO miss) skips the scale-up stabilization window; the policies'
+        rate limits still hold, since they are the user's declared limit on churn.
+        """
+        lo = max(1, lo)  # never to zero: a phase with no replicas cannot report metrics again
+        if self.started is None:
+            self.started = now
+        self.recommendations.append((now, recommended))
+        self._prune(now)
+        up, down = self.behavior.scale_up, self.behavior.scale_down
+        up_rec = recommended if urgent else min(r for t, r in self.recommendations
+                                                if t >= now - up.stabilization_s)
+        down_rec = max(r for t, r in self.recommendations if t >= now - down.stabilization_s)
+        notes = []
+        if now - self.started < down.stabilization_s:
+            # History shorter than the window (fresh start): do not trust it to scale down.
+            down_rec = max(down_rec, current)
+        stabilized = current
+        if stabilized < up_rec:
+            stabilized = up_rec
+        if stabilized > down_rec:
+            stabilized = down_rec
+        if stabilized < recommended and recommended > current:
+            notes.append(f"scale-up stabilization holds at {stabilized}")
+        if stabilized > recommended and recommended < current:
+            notes.append(f"scale-down stabilization ({down.stabilization_s:.0f}s) holds at {stabilized}")
+        desired = stabilized
+        if desired > current:
+            limit = self._limit(now, current, up, +1)
+            if desired > limit:
+                notes.append(f"scale-up policy limits to {limit}")
+                desired = limit
+        elif desired < current:
+            limit = self._limit(now, current, down, -1)
+            if desired < limit:
+                notes.append(f"scale-down policy limits to {limit}")
+                desired = limit
+        if desired > hi:
+            notes.append(f"capped at max {hi}")
+        if desired < lo:
+            notes.append(f"raised to min {lo}")
+        desired = min(max(desired, lo), hi)
+        self.record(now, current, desired)
+        return desired, "; ".join(notes)
+
+    def record(self, now: float, current: int, desired: int) -> None:
+        if desired != current:
+            self.changes.append((now, desired - current))
+
+    def _limit(self, now: float, current: int, rules: ScalingRules, sign: int) -> int:
+        if rules.select == "Disabled" or not rules.policies:
+            return current
+        limits = []
+        for p in rules.policies:
+            # Replicas at the start of this policy's period: undo the changes made within it.
+            moved = sum(d for t, d in self.changes if t > now - p.period_s and d * sign > 0)
+            start = current - moved
+            if p.type == "Pods":
+                limits.append(start + sign * p.value)
+            elif sign > 0:
+                limits.append(math.ceil(start * (1 + p.value / 100)))
+            else:
+                limits.append(math.floor(start * (1 - p.value / 100)))
+        # "Max" allows the biggest change in the direction of travel.
+        if (rules.select == "Max") == (sign > 0):
+            return max(limits)
+        return min(limits)
+
+    def _prune(self, now: float) -> None:
+        keep = max(self.behavior.scale_up.stabilization_s, self.behavior.scale_down.stabilization_s)
+        while self.recommendations and self.recommendations[0][0] < now - keep:
+            self.recommendations.popleft()
+        period = max((p.period_s for r in (self.behavior.scale_up, self.behavior.scale_down)
+                      for p in r.policies), default=0.0)
+        while self.changes and self.changes[0][0] <= now - period:
+            self.changes.popleft()
+
+
+def apply_ratio(prefill: int, decode: int, min_ratio: float | None, max_ratio: float | None,
+                prefill_max: int, decode_max: int) -> tuple[int, int, str]:
+    """Keep prefill/decode within [min_ratio, max_ratio] by raising the short side, within its max.
+
+    Only raising: lowering a phase to satisfy a ratio would trade an SLO for a proportion.
+    """
+    note = ""
+    if min_ratio is not None and prefill < min_ratio * decode:
+        want = min(math.ceil(min_ratio * decode - 1e-9), prefill_max)
+        if want > prefill:
+            note = f"prefill raised to {want} for P:D ≥ {min_ratio:g}"
+            prefill = want
+    if max_ratio is not None and prefill > max_ratio * decode:
+        want = min(math.ceil(prefill / max_ratio - 1e-9), decode_max)
+        if want > decode:
+            note = f"decode raised to {want} for P:D ≤ {max_ratio:g}"
+            decode = want
+    return prefill, decode, note

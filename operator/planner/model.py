@@ -1,0 +1,136 @@
+"""Per-replica performance: a small analytic model, a profile prior, and live self-calibration.
+
+Prefill is compute-bound: a replica turns prompt tokens into KV cache at a roughly constant
+rate, plus a fixed per-request overhead. Decode is memory-bandwidth-bound: one step reads the
+weights once (a fixed cost), does a little compute per sequence, and reads the KV cache of
+every running sequence (a cost per context token), so
+
+    step_time(batch, context) = base + per_seq·batch + per_token·batch·context.
+
+Offline profiling (hours, in Dynamo's planner) only pins these constants down for one setup.
+Here a profile is an optional prior; the live metrics correct it every window by inverting
+the same models the planner sizes with (mean TTFT → prefill tokens/s; mean ITL → a scale on
+the step-time curve), smoothed in log space so one odd window cannot swing it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from phasesplit.operator.planner.queueing import mean_ttft
+from phasesplit.operator.planner.snapshot import MetricsSnapshot
+
+
+@dataclass(frozen=True)
+class PrefillProfile:
+    tokens_per_s: float = 9000.0  # one replica's prefill throughput
+    overhead_s: float = 0.01  # per-request fixed cost (scheduling, first decode step, KV hand-off)
+
+
+@dataclass(frozen=True)
+class DecodeProfile:
+    base_s: float = 0.012  # step time of an empty batch: reading the weights once
+    per_seq_s: float = 0.00012  # compute per running sequence per step
+    per_token_s: float = 85e-9  # KV read per context token per step
+    max_batch: int = 256  # the runtime's --max-num-seqs
+    # KV geometry (2 × layers × kv_heads × head_dim × dtype bytes per token) and the bytes of KV
+    # cache one replica holds: capacity in tokens follows.
+    layers: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype_bytes: int = 2
+    kv_cache_bytes: float = 20e9
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def kv_capacity_tokens(self) -> float:
+        return self.kv_cache_bytes / self.kv_bytes_per_token
+
+    def step_time(self, batch: float, context: float) -> float:
+        return self.base_s + batch * (self.per_seq_s + self.per_token_s * context)
+
+    def max_batch_for_itl(self, itl_s: float, context: float) -> float:
+        """Largest batch whose step time stays within itl_s (0 when even one sequence misses)."""
+        per = self.per_seq_s + self.per_token_s * context
+        room = itl_s - self.base_s
+        if room <= 0:
+            return 0.0
+        return min(float(self.max_batch), room / per)
+
+
+@dataclass
+class PerfModel:
+    """The current belief about one replica's performance, corrected from live metrics."""
+
+    prefill: PrefillProfile
+    decode: DecodeProfile
+    decode_scale: float = 1.0  # observed ITL / modelled step time, smoothed
+    prefill_samples: int = 0
+    decode_samples: int = 0
+    smoothing: float = 0.3  # weight of a new window's estimate (in log space)
+    min_requests: int = 20  # windows with fewer requests say too little to calibrate on
+
+    def step_time(self, batch: float, context: float) -> float:
+        return self.decode_scale * self.decode.step_time(batch, context)
+
+    def max_batch_for_itl(self, itl_s: float, context: float) -> float:
+        return self.decode.max_batch_for_itl(itl_s / self.decode_scale, context)
+
+    def _blend(self, old: float, new: float, lo: float, hi: float) -> float:
+        new = min(max(new, lo), hi)
+        return math.exp((1 - self.smoothing) * math.log(old) + self.smoothing * math.log(new))
+
+    def calibrate(self, snap: MetricsSnapshot, token_scv: float, kv_high: float) -> list[str]:
+        """Update the estimates from one window; returns notes on what changed (for the reason)."""
+        notes: list[str] = []
+        enough = (snap.request_rate or 0.0) * snap.window_s >= self.min_requests
+        isl = snap.mean_prompt_tokens
+        # Prefill: solve mean_ttft(μ) = observed mean TTFT for μ (monotone, so bisection). Skip
+        # windows where decode was the bottleneck: requests then wait for KV blocks before
+        # prefill starts, and blaming prefill for that would scale the wrong phase.
+        decode_bound = (snap.decode_waiting or 0) > 0 or (snap.kv_usage or 0) >= kv_high
+        if (enough and isl and snap.ttft_mean and snap.ready_prefill and not decode_bound):
+            mu = self._invert_prefill(snap.ready_prefill, snap.request_rate, isl, snap.ttft_mean, token_scv)
+            if mu is not None:
+                # Observed throughput is a hard lower bound on capacity.
+                mu = max(mu, (snap.prompt_token_rate or 0.0) / snap.ready_prefill)
+                old = self.prefill.tokens_per_s
+                new = self._blend(old, mu, old / 4, old * 4)
+                self.prefill = replace(self.prefill, tokens_per_s=new)
+                self.prefill_samples += 1
+                if abs(new / old - 1) > 0.05:
+                    notes.append(f"prefill capacity {old:.0f}→{new:.0f} tok/s")
+        # Decode: ITL observed against the modelled step time at the observed batch and context.
+        osl = snap.mean_generated_tokens
+        if (enough and isl is not None and osl is not None and snap.itl_mean and snap.decode_running
+                and snap.ready_decode):
+            batch = snap.decode_running / snap.ready_decode
+            modelled = self.decode.step_time(batch, isl + osl / 2)
+            old = self.decode_scale
+            self.decode_scale = self._blend(old, snap.itl_mean / modelled, 0.2, 5.0)
+            self.decode_samples += 1
+            if abs(self.decode_scale / old - 1) > 0.05:
+                notes.append(f"decode step scale {old:.2f}→{self.decode_scale:.2f}")
+        return notes
+
+    def _invert_prefill(self, servers: int, rate: float, isl: float, observed: float,
+                        token_scv: float) -> float | None:
+        lo, hi = self.prefill.tokens_per_s / 50, self.prefill.tokens_per_s * 50
+        f = lambda mu: mean_ttft(servers, rate, isl, mu, self.prefill.overhead_s, token_scv)  # noqa: E731
+        if f(hi) > observed:
+            # Even a very fast prefill would not explain a TTFT this low: the overhead estimate
+            # is too high; the token rate says nothing useful this window.
+            return None
+        if f(lo) < observed:
+            return lo
+        for _ in range(60):
+            mid = math.sqrt(lo * hi)
+            if f(mid) > observed:
+                lo = mid
+            else:
+                hi = mid
+        return math.sqrt(lo * hi)

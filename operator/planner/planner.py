@@ -1,0 +1,222 @@
+"""The planner: one decision per interval from a metrics snapshot and the current replicas."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from phasesplit.operator.planner.behavior import Behavior, PhaseLimiter, apply_ratio
+from phasesplit.operator.planner.model import DecodeProfile, PerfModel, PrefillProfile
+from phasesplit.operator.planner.queueing import replicas_for_ttft
+from phasesplit.operator.planner.snapshot import MetricsSnapshot
+
+PHASES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class PhaseLimits:
+    min_replicas: int = 1
+    max_replicas: int = 10
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    ttft_s: float = 0.5
+    itl_s: float = 0.05
+    percentile: float = 0.95  # the SLO is met when this quantile is within target
+    prefill: PhaseLimits = PhaseLimits()
+    decode: PhaseLimits = PhaseLimits()
+    behavior: Behavior = Behavior()
+    min_pd_ratio: float | None = None  # prefill replicas per decode replica, lower bound
+    max_pd_ratio: float | None = None
+    interval_s: float = 30.0
+    stale_after_s: float | None = None  # default: three intervals
+    margin: float = 0.85  # size for this fraction of each target: room for noise and forecast error
+    max_utilisation: float = 0.85  # prefill pool utilisation ceiling, whatever the queueing model says
+    kv_headroom: float = 0.15  # free KV fraction kept on decode (bursts, prefix growth)
+    kv_high: float = 0.92  # KV usage at which decode, not prefill, is blamed for TTFT
+    prompt_scv: float = 1.0  # squared CV of prompt length (production traces: ≈0.9)
+    max_miss_factor: float = 2.0  # largest one-step multiplier on an observed SLO miss
+
+    @property
+    def stale_after(self) -> float:
+        return self.stale_after_s if self.stale_after_s is not None else 3 * self.interval_s
+
+
+@dataclass(frozen=True)
+class PhaseDecision:
+    current: int
+    recommended: int  # what the model asks for before behavior rules
+    desired: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    prefill: PhaseDecision
+    decode: PhaseDecision
+    stale: bool
+    predicted_ttft_s: float | None = None
+    predicted_itl_s: float | None = None
+    conditions: tuple[tuple[str, bool, str, str], ...] = ()  # (type, status, reason, message)
+
+    @property
+    def desired(self) -> dict[str, int]:
+        return {"prefill": self.prefill.desired, "decode": self.decode.desired}
+
+    @property
+    def changed(self) -> bool:
+        return any(p.desired != p.current for p in (self.prefill, self.decode))
+
+    @property
+    def reason(self) -> str:
+        return f"prefill {self.prefill.current}→{self.prefill.desired}: {self.prefill.reason}; " \
+               f"decode {self.decode.current}→{self.decode.desired}: {self.decode.reason}"
+
+
+@dataclass
+class Planner:
+    """Keeps the calibrated model and the behavior history between decisions; no I/O."""
+
+    config: PlannerConfig = field(default_factory=PlannerConfig)
+    model: PerfModel = field(default_factory=lambda: PerfModel(PrefillProfile(), DecodeProfile()))
+    stale_windows: int = 0
+
+    def __post_init__(self) -> None:
+        self.limiters = {p: PhaseLimiter(self.config.behavior) for p in PHASES}
+
+    def plan(self, snap: MetricsSnapshot | None, current: dict[str, int], now: float) -> Decision:
+        cfg = self.config
+        limits = {"prefill": cfg.prefill, "decode": cfg.decode}
+        if snap is None or now - snap.timestamp > cfg.stale_after or snap.request_rate is None:
+            return self._hold(snap, current, now, limits)
+        self.stale_windows = 0
+        calibration = self.model.calibrate(snap, cfg.prompt_scv, cfg.kv_high)
+
+        rec_p, why_p, ttft_pred, ttft_ok = self._size_prefill(snap)
+        rec_d, why_d, itl_pred = self._size_decode(snap)
+        urgent = {"prefill": False, "decode": False}
+        # An SLO already missed beats any model: scale the phase responsible at once, in
+        # proportion to the miss, from the replicas that were actually serving (replicas still
+        # starting are on their way; counting them again would overshoot).
+        if snap.ttft_p is not None and snap.ttft_p > cfg.ttft_s:
+            factor = min(snap.ttft_p / cfg.ttft_s, cfg.max_miss_factor)
+            decode_bound = (snap.decode_waiting or 0) > 0 or (snap.kv_usage or 0) >= cfg.kv_high
+            phase = "decode" if decode_bound else "prefill"
+            base = (snap.ready_decode if decode_bound else snap.ready_prefill) or current[phase]
+            want = math.ceil(base * factor)
+            note = f"TTFT p{cfg.percentile * 100:g} {snap.ttft_p * 1000:.0f}ms > {cfg.ttft_s * 1000:.0f}ms" \
+                   + (" with KV full" if decode_bound else "")
+            if phase == "prefill" and want > rec_p:
+                rec_p, why_p, urgent["prefill"] = want, f"{note}: ×{factor:.2f}", True
+            elif phase == "decode" and want > rec_d:
+                rec_d, why_d, urgent["decode"] = want, f"{note}: ×{factor:.2f}", True
+        if snap.itl_p is not None and snap.itl_p > cfg.itl_s:
+            factor = min(snap.itl_p / cfg.itl_s, cfg.max_miss_factor)
+            want = math.ceil((snap.ready_decode or current["decode"]) * factor)
+            if want > rec_d:
+                rec_d, urgent["decode"] = want, True
+                why_d = f"ITL p{cfg.percentile * 100:g} {snap.itl_p * 1000:.1f}ms > {cfg.itl_s * 1000:.0f}ms: ×{factor:.2f}"
+
+        rec_p, rec_d, ratio_note = apply_ratio(rec_p, rec_d, cfg.min_pd_ratio, cfg.max_pd_ratio,
+                                               cfg.prefill.max_replicas, cfg.decode.max_replicas)
+        out = {}
+        for phase, rec, why in (("prefill", rec_p, why_p), ("decode", rec_d, why_d)):
+            lim = limits[phase]
+            desired, note = self.limiters[phase].apply(now, current[phase], rec, lim.min_replicas,
+                                                       lim.max_replicas, urgent[phase])
+            out[phase] = [rec, desired, "; ".join(x for x in (why, note) if x)]
+        # Rate limits may have moved one phase more than the other; restore the ratio by raising.
+        p, d, late_note = apply_ratio(out["prefill"][1], out["decode"][1], cfg.min_pd_ratio,
+                                      cfg.max_pd_ratio, cfg.prefill.max_replicas, cfg.decode.max_replicas)
+        for phase, value in (("prefill", p), ("decode", d)):
+            if value != out[phase][1]:
+                self.limiters[phase].record(now, out[phase][1], value)
+                out[phase][1] = value
+        for note in (ratio_note, late_note):
+            if note:
+                phase = "prefill" if note.startswith("prefill") else "decode"
+                out[phase][2] += f"; {note}"
+        if calibration:
+            out["prefill"][2] += f" (calibrated: {', '.join(calibration)})"
+        conditions = [("MetricsAvailable", True, "Fresh", f"window {snap.window_s:.0f}s")]
+        if not ttft_ok:
+            conditions.append(("SLOReachable", False, "PromptTooLong",
+                               "long prompts' service time alone nears the TTFT target; scaling out "
+                               "only shortens their queue"))
+        return Decision(
+            prefill=PhaseDecision(current["prefill"], *out["prefill"]),
+            decode=PhaseDecision(current["decode"], *out["decode"]),
+            stale=False, predicted_ttft_s=ttft_pred, predicted_itl_s=itl_pred,
+            conditions=tuple(conditions))
+
+    def _size_prefill(self, snap: MetricsSnapshot) -> tuple[int, str, float | None, bool]:
+        cfg, prof = self.config, self.model.prefill
+        rate, isl = snap.request_rate or 0.0, snap.mean_prompt_tokens
+        if rate <= 0 or not isl:
+            return cfg.prefill.min_replicas, "no traffic", None, True
+        # A backlog already queued must drain within one interval on top of new arrivals;
+        # expressed as extra arrivals of the mean prompt so the same queueing model sizes it.
+        backlog_rate = (snap.prefill_queue_tokens or 0.0) / isl / cfg.interval_s
+        arrivals = rate + backlog_rate
+        c, predicted, ok = replicas_for_ttft(arrivals, isl, prof.tokens_per_s, prof.overhead_s, cfg.prompt_scv,
+                                             cfg.percentile, cfg.ttft_s * cfg.margin, cfg.max_utilisation,
+                                             cfg.prefill.max_replicas)
+        why = (f"{rate * isl:.0f} prompt tok/s"
+               + (f" + backlog {snap.prefill_queue_tokens:.0f} tok" if backlog_rate > 0 else "")
+               + f" at {prof.tokens_per_s:.0f} tok/s/replica → TTFT p{cfg.percentile * 100:g} "
+               f"≈{predicted * 1000:.0f}ms with queueing")
+        return c, why, predicted, ok
+
+    def _size_decode(self, snap: MetricsSnapshot) -> tuple[int, str, float | None]:
+        cfg, model = self.config, self.model
+        rate = snap.request_rate or 0.0
+        isl, osl = snap.mean_prompt_tokens, snap.mean_generated_tokens
+        running = (snap.decode_running or 0.0) + (snap.decode_waiting or 0.0)
+        if rate <= 0 or isl is None or osl is None:
+            if running > 0:
+                return max(cfg.decode.min_replicas, snap.ready_decode or 1), "requests still running", None
+            return cfg.decode.min_replicas, "no traffic", None
+        context = isl + osl / 2  # mean context over a request's decode life
+        # KV demand per request: the seeds' formula, 2·layers·kv_heads·head_dim·bytes·context,
+        # with the context at its end (prompt + all generated tokens): blocks are held until then.
+        # If the runtime reports more KV in use than that predicts (prefix blocks, fragmentation),
+        # believe the runtime.
+        kv_per_req = isl + osl
+        if snap.kv_usage is not None and snap.decode_running and snap.ready_decode:
+            observed = snap.kv_usage * model.decode.kv_capacity_tokens * snap.ready_decode / snap.decode_running
+            kv_per_req = max(kv_per_req, observed)
+        kv_batch = model.decode.kv_capacity_tokens * (1 - cfg.kv_headroom) / kv_per_req
+        itl_batch = model.max_batch_for_itl(cfg.itl_s * cfg.margin, context)
+        per_replica = max(1.0, min(kv_batch, itl_batch, float(model.decode.max_batch)))
+        limit = "KV" if kv_batch <= itl_batch else "ITL"
+        # Concurrency by Little's law, N = λ·OSL·ITL, where ITL itself depends on the batch:
+        # find the fewest replicas whose batch both fits and yields the ITL assumed.
+        d, concurrency, step = cfg.decode.min_replicas, running, model.step_time(1, context)
+        for d in range(max(1, cfg.decode.min_replicas), cfg.decode.max_replicas + 1):
+            step = model.step_time(per_replica, context)
+            for _ in range(8):
+                concurrency = max(rate * osl * step, running)
+                step = model.step_time(concurrency / d, context)
+            if concurrency / d <= per_replica:
+                break
+        why = (f"{concurrency:.0f} concurrent × {kv_per_req:.0f} KV tok, ≤{per_replica:.0f}/replica "
+               f"({limit}-bound) → ITL ≈{step * 1000:.1f}ms")
+        return d, why, step
+
+    def _hold(self, snap: MetricsSnapshot | None, current: dict[str, int], now: float,
+              limits: dict[str, PhaseLimits]) -> Decision:
+        """Stale or missing metrics: keep the count (within bounds, never zero) and say so."""
+        self.stale_windows += 1
+        if snap is None or snap.request_rate is None:
+            msg = "no metrics"
+        else:
+            msg = f"metrics {now - snap.timestamp:.0f}s old (limit {self.config.stale_after:.0f}s)"
+        msg += f"; holding replicas ({self.stale_windows} window{'s' * (self.stale_windows != 1)})"
+        phases = {}
+        for phase in PHASES:
+            lim = limits[phase]
+            held = min(max(current[phase], lim.min_replicas, 1), lim.max_replicas)
+            phases[phase] = PhaseDecision(current[phase], current[phase], held, msg)
+        return Decision(phases["prefill"], phases["decode"], stale=True,
+                        conditions=(("MetricsAvailable", False, "MetricsStale", msg),))

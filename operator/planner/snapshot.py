@@ -1,0 +1,45 @@
+"""The planner's input: what the service did over the last metrics window."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """Aggregates over one window (rates per second, latencies in seconds).
+
+    Latency percentiles come from histogram *deltas* over the window (the bucket counts at the
+    end minus those at the start), never from lifetime totals: a lifetime average hides a
+    fresh SLO miss behind hours of good history. Fields a source could not fill are None.
+    """
+
+    timestamp: float  # end of the window, seconds (any epoch; compared with `now`)
+    window_s: float
+    request_rate: float | None = None  # requests arriving at the router per second
+    prompt_token_rate: float | None = None  # prompt tokens per second (prefill work arriving)
+    generation_token_rate: float | None = None  # generated tokens per second
+    ttft_p: float | None = None  # router-side TTFT at the SLO percentile
+    ttft_mean: float | None = None
+    itl_p: float | None = None  # router-side inter-token latency at the SLO percentile
+    itl_mean: float | None = None
+    prefill_queue_tokens: float | None = None  # prompt tokens waiting for prefill, all replicas
+    prefill_waiting: float | None = None  # requests waiting for prefill, all replicas
+    decode_running: float | None = None  # requests in decode batches, all replicas
+    decode_waiting: float | None = None  # requests waiting for KV blocks on decode
+    kv_usage: float | None = None  # mean fraction of decode KV cache in use, 0-1
+    slo_attainment: float | None = None  # fraction of the window's requests meeting both SLOs
+    ready_prefill: int | None = None  # replicas that served the window (for calibration)
+    ready_decode: int | None = None
+
+    @property
+    def mean_prompt_tokens(self) -> float | None:
+        if not self.request_rate or self.prompt_token_rate is None:
+            return None
+        return self.prompt_token_rate / self.request_rate
+
+    @property
+    def mean_generated_tokens(self) -> float | None:
+        if not self.request_rate or self.generation_token_rate is None:
+            return None
+        return self.generation_token_rate / self.request_rate
