@@ -58,11 +58,13 @@ class PhaseLimiter:
     started: float | None = None
 
     def apply(self, now: float, current: int, recommended: int, lo: int, hi: int,
-              urgent: bool = False) -> tuple[int, str]:
+              urgent: bool = False, confirm_s: float = 0.0) -> tuple[int, str]:
         """Desired replicas from a raw recommendation; the note says what held it back, if anything.
 
         `urgent` (an observed SLO miss) skips the scale-up stabilization window; the policies'
-        rate limits still hold, since they are the user's declared limit on churn.
+        rate limits still hold, since they are the user's declared limit on churn. `confirm_s`
+        widens the scale-up window for predictions that no miss backs up: one noisy window then
+        cannot buy a replica that the scale-down window would keep for five minutes.
         """
         lo = max(1, lo)  # never to zero: a phase with no replicas cannot report metrics again
         if self.started is None:
@@ -70,8 +72,8 @@ class PhaseLimiter:
         self.recommendations.append((now, recommended))
         self._prune(now)
         up, down = self.behavior.scale_up, self.behavior.scale_down
-        up_rec = recommended if urgent else min(r for t, r in self.recommendations
-                                                if t >= now - up.stabilization_s)
+        up_window = max(up.stabilization_s, confirm_s)
+        up_rec = recommended if urgent else min(r for t, r in self.recommendations if t >= now - up_window)
         down_rec = max(r for t, r in self.recommendations if t >= now - down.stabilization_s)
         notes = []
         if now - self.started < down.stabilization_s:
@@ -129,7 +131,7 @@ class PhaseLimiter:
         return min(limits)
 
     def _prune(self, now: float) -> None:
-        keep = max(self.behavior.scale_up.stabilization_s, self.behavior.scale_down.stabilization_s)
+        keep = max(self.behavior.scale_up.stabilization_s, self.behavior.scale_down.stabilization_s, 3600.0)
         while self.recommendations and self.recommendations[0][0] < now - keep:
             self.recommendations.popleft()
         period = max((p.period_s for r in (self.behavior.scale_up, self.behavior.scale_down)

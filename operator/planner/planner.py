@@ -37,6 +37,7 @@ class PlannerConfig:
     kv_high: float = 0.92  # KV usage at which decode, not prefill, is blamed for TTFT
     prompt_scv: float = 1.0  # squared CV of prompt length (production traces: ≈0.9)
     max_miss_factor: float = 2.0  # largest one-step multiplier on an observed SLO miss
+    confirm_windows: int = 2  # consecutive windows a prediction-only scale-up must persist
 
     @property
     def stale_after(self) -> float:
@@ -123,8 +124,9 @@ class Planner:
         out = {}
         for phase, rec, why in (("prefill", rec_p, why_p), ("decode", rec_d, why_d)):
             lim = limits[phase]
+            confirm = (cfg.confirm_windows - 0.5) * cfg.interval_s if cfg.confirm_windows > 1 else 0.0
             desired, note = self.limiters[phase].apply(now, current[phase], rec, lim.min_replicas,
-                                                       lim.max_replicas, urgent[phase])
+                                                       lim.max_replicas, urgent[phase], confirm)
             out[phase] = [rec, desired, "; ".join(x for x in (why, note) if x)]
         # Rate limits may have moved one phase more than the other; restore the ratio by raising.
         p, d, late_note = apply_ratio(out["prefill"][1], out["decode"][1], cfg.min_pd_ratio,
@@ -183,10 +185,13 @@ class Planner:
         # If the runtime reports more KV in use than that predicts (prefix blocks, fragmentation),
         # believe the runtime.
         kv_per_req = isl + osl
-        if snap.kv_usage is not None and snap.decode_running and snap.ready_decode:
-            observed = snap.kv_usage * model.decode.kv_capacity_tokens * snap.ready_decode / snap.decode_running
-            kv_per_req = max(kv_per_req, observed)
-        kv_batch = model.decode.kv_capacity_tokens * (1 - cfg.kv_headroom) / kv_per_req
+        # What the runtime reports in use now (including blocks reserved for prompts still in
+        # prefill, fragmentation, prefix blocks) is a floor: never size below it plus headroom.
+        in_use = 0.0
+        if snap.kv_usage is not None and snap.ready_decode:
+            in_use = snap.kv_usage * model.decode.kv_capacity_tokens * snap.ready_decode
+        usable = model.decode.kv_capacity_tokens * (1 - cfg.kv_headroom)
+        kv_batch = usable / kv_per_req
         itl_batch = model.max_batch_for_itl(cfg.itl_s * cfg.margin, context)
         per_replica = max(1.0, min(kv_batch, itl_batch, float(model.decode.max_batch)))
         limit = "KV" if kv_batch <= itl_batch else "ITL"
@@ -198,7 +203,7 @@ class Planner:
             for _ in range(8):
                 concurrency = max(rate * osl * step, running)
                 step = model.step_time(concurrency / d, context)
-            if concurrency / d <= per_replica:
+            if concurrency / d <= per_replica and in_use / d <= usable:
                 break
         why = (f"{concurrency:.0f} concurrent × {kv_per_req:.0f} KV tok, ≤{per_replica:.0f}/replica "
                f"({limit}-bound) → ITL ≈{step * 1000:.1f}ms")

@@ -1,0 +1,283 @@
+"""Properties of the per-phase planner: each test states one promise of the autoscaler."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import replace
+
+import pytest
+
+from phasesplit.operator.planner import (
+    Behavior,
+    DecodeProfile,
+    MetricsSnapshot,
+    PerfModel,
+    Planner,
+    PlannerConfig,
+    PrefillProfile,
+    ScalingPolicy,
+    ScalingRules,
+)
+from phasesplit.operator.planner.planner import PhaseLimits
+from phasesplit.operator.planner.queueing import (
+    erlang_c,
+    mean_ttft,
+    replicas_for_ttft,
+    ttft_quantile,
+)
+
+INTERVAL = 30.0
+
+
+def snap(t: float, rate: float = 8.0, isl: float = 1000.0, osl: float = 200.0, **kw) -> MetricsSnapshot:
+    base = dict(timestamp=t, window_s=INTERVAL, request_rate=rate, prompt_token_rate=rate * isl,
+                generation_token_rate=rate * osl, ttft_p=0.2, ttft_mean=0.1, itl_p=0.02, itl_mean=0.02,
+                prefill_queue_tokens=0.0, decode_running=rate * osl * 0.02, decode_waiting=0.0,
+                kv_usage=0.3, ready_prefill=None, ready_decode=None)
+    base.update(kw)
+    return MetricsSnapshot(**base)
+
+
+def run(planner: Planner, snaps, start: dict[str, int]) -> list[dict[str, int]]:
+    current = dict(start)
+    out = []
+    for s in snaps:
+        d = planner.plan(s, current, s.timestamp)
+        current = d.desired
+        out.append(current)
+    return out
+
+
+def frozen_model() -> PerfModel:
+    # min_requests above any window's count: no calibration, so tests see the model as written.
+    return PerfModel(PrefillProfile(), DecodeProfile(), min_requests=10**9)
+
+
+# ---- queueing model -------------------------------------------------------------------------
+
+def test_erlang_c_known_values():
+    assert erlang_c(1, 0.5) == pytest.approx(0.5)  # M/M/1: P(wait) = ρ
+    assert erlang_c(2, 1.0) == pytest.approx(1 / 3)
+    assert erlang_c(3, 3.0) == 1.0
+
+
+def test_queueing_sees_what_utilisation_does_not():
+    # 90 % utilisation on 2 replicas: a utilisation rule (≤ 100 %) says 2 suffice; the M/G/c tail
+    # says the TTFT target needs more.
+    rate, isl, mu = 9.0, 1800.0, 9000.0
+    util_only = math.ceil(rate * (0.01 + isl / mu))
+    c, predicted, ok = replicas_for_ttft(rate, isl, mu, 0.01, 1.0, 0.95, 1.0, 1.0, 50)
+    assert util_only == 2
+    assert c > util_only and ok and predicted <= 1.0
+    # The prediction falls as replicas are added, down to the service time of a long prompt.
+    preds = [ttft_quantile(k, rate, isl, mu, 0.01, 1.0, 0.95) for k in range(2, 7)]
+    assert all(a >= b for a, b in zip(preds, preds[1:], strict=False)) and preds[0] > 2 * preds[-1]
+
+
+def test_unreachable_ttft_is_reported_not_maxed():
+    # Prompts so long that service time alone exceeds the target: do not run to max replicas.
+    c, _, ok = replicas_for_ttft(1.0, 20000.0, 9000.0, 0.01, 1.0, 0.95, 0.5, 0.85, 100)
+    assert not ok and c < 10
+
+
+# ---- min / max / never zero -----------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(5))
+def test_bounds_hold_for_any_load(seed):
+    rng = random.Random(seed)
+    cfg = PlannerConfig(prefill=PhaseLimits(2, 6), decode=PhaseLimits(1, 4))
+    planner = Planner(cfg, frozen_model())
+    current = {"prefill": 3, "decode": 2}
+    for i in range(40):
+        rate = rng.choice([0.0, 0.01, 1.0, 50.0, 1000.0])
+        d = planner.plan(snap(i * INTERVAL, rate=rate, ttft_p=rng.choice([0.1, 5.0])), current, i * INTERVAL)
+        assert 2 <= d.prefill.desired <= 6 and 1 <= d.decode.desired <= 4
+        current = d.desired
+
+
+def test_huge_load_goes_to_max_and_idle_goes_to_min_never_zero():
+    cfg = PlannerConfig(prefill=PhaseLimits(0, 12), decode=PhaseLimits(0, 3), confirm_windows=1,
+                        behavior=Behavior(scale_down=ScalingRules(0.0, (ScalingPolicy("Percent", 100, 15),))))
+    planner = Planner(cfg, frozen_model())
+    d = planner.plan(snap(0, rate=500.0), {"prefill": 1, "decode": 1}, 0)
+    # Default up policies, selectPolicy Max: the larger of +4 pods and +100 % per 15 s.
+    assert d.desired == {"prefill": 5, "decode": 3}
+    d = planner.plan(snap(30, rate=500.0), d.desired, 30)
+    assert d.prefill.desired == 10
+    d = planner.plan(snap(60, rate=500.0), d.desired, 60)
+    assert d.desired == {"prefill": 12, "decode": 3}
+    d = planner.plan(snap(180, rate=0.0, decode_running=0.0), d.desired, 180)
+    assert d.desired == {"prefill": 1, "decode": 1}  # min 0 in the spec still means 1
+
+
+# ---- stale metrics --------------------------------------------------------------------------
+
+def test_stale_metrics_hold_and_report():
+    planner = Planner(PlannerConfig(), frozen_model())
+    current = {"prefill": 3, "decode": 2}
+    d = planner.plan(snap(0, rate=0.0), current, 10 * INTERVAL)  # 5 minutes old
+    assert d.stale and d.desired == current
+    assert d.conditions[0][:3] == ("MetricsAvailable", False, "MetricsStale")
+    d = planner.plan(None, current, 11 * INTERVAL)
+    assert d.stale and d.desired == current and "2 windows" in d.prefill.reason
+    # A field the sizing needs is missing: same as no metrics.
+    d = planner.plan(replace(snap(12 * INTERVAL), request_rate=None), current, 12 * INTERVAL)
+    assert d.stale and d.desired == current
+    # Holding never means zero, even when zero is what is running.
+    d = planner.plan(None, {"prefill": 0, "decode": 0}, 13 * INTERVAL)
+    assert d.desired == {"prefill": 1, "decode": 1}
+    # Fresh metrics clear the condition.
+    d = planner.plan(snap(14 * INTERVAL), current, 14 * INTERVAL)
+    assert not d.stale and d.conditions[0][1] is True
+
+
+# ---- SLO miss -------------------------------------------------------------------------------
+
+def slow_up() -> Behavior:
+    # A long scale-up window that would delay a model-driven scale-up by 10 minutes.
+    return Behavior(scale_up=ScalingRules(600.0, (ScalingPolicy("Percent", 400, 15),)))
+
+
+def test_ttft_miss_scales_prefill_at_once_in_proportion():
+    planner = Planner(PlannerConfig(behavior=slow_up(), prefill=PhaseLimits(1, 20)), frozen_model())
+    current = {"prefill": 4, "decode": 2}
+    planner.plan(snap(0, rate=1.0), current, 0)  # low recommendation enters the window
+    d = planner.plan(snap(30, rate=1.0, ttft_p=1.5, ready_prefill=4), current, 30)
+    assert d.prefill.desired == 8  # ×min(1.5/0.5, 2) of the 4 serving replicas
+    assert "TTFT" in d.prefill.reason and d.decode.desired == 2
+
+
+def test_ttft_miss_counts_only_ready_replicas():
+    # 4 serving and 4 more already starting: a 1.5× miss needs 6, which is already on its way.
+    planner = Planner(PlannerConfig(prefill=PhaseLimits(1, 20)), frozen_model())
+    d = planner.plan(snap(0, rate=1.0, ttft_p=0.75, ready_prefill=4), {"prefill": 8, "decode": 2}, 0)
+    assert d.prefill.desired == 8
+
+
+def test_ttft_miss_with_full_kv_scales_decode():
+    planner = Planner(PlannerConfig(behavior=slow_up(), decode=PhaseLimits(1, 20)), frozen_model())
+    current = {"prefill": 2, "decode": 3}
+    d = planner.plan(snap(0, rate=1.0, ttft_p=1.0, kv_usage=0.97, decode_waiting=12.0, ready_decode=3),
+                     current, 0)
+    assert d.decode.desired == 6 and d.prefill.desired <= 2
+    # Without the miss, the KV in use (97 % of 3 replicas) alone asks for room to breathe.
+    d = Planner(PlannerConfig(decode=PhaseLimits(1, 20)), frozen_model()).plan(
+        snap(0, rate=1.0, kv_usage=0.97, ready_decode=3), current, 0)
+    assert d.decode.recommended == 4
+
+
+def test_itl_miss_scales_decode():
+    planner = Planner(PlannerConfig(behavior=slow_up(), decode=PhaseLimits(1, 20)), frozen_model())
+    d = planner.plan(snap(0, rate=1.0, itl_p=0.075, ready_decode=2), {"prefill": 1, "decode": 2}, 0)
+    assert d.decode.desired == 3 and "ITL" in d.decode.reason
+
+
+# ---- stabilization and flapping -------------------------------------------------------------
+
+def test_scale_down_waits_for_the_window_and_uses_its_highest_recommendation():
+    cfg = PlannerConfig(prefill=PhaseLimits(1, 20), decode=PhaseLimits(1, 20))
+    planner = Planner(cfg, frozen_model())
+    current = {"prefill": 1, "decode": 1}
+    # High load for 10 minutes, then a drop to medium, then to idle.
+    seq = [snap(t, rate=40.0) for t in range(0, 600, 30)]
+    seq += [snap(t, rate=15.0) for t in range(600, 720, 30)]
+    seq += [snap(t, rate=0.5) for t in range(720, 1500, 30)]
+    out = run(planner, seq, current)
+    peak = out[19]["prefill"]
+    assert peak >= 5
+    times = [s.timestamp for s in seq]
+    for t, o in zip(times, out, strict=True):
+        if 600 <= t < 600 + 300:
+            assert o["prefill"] == peak, f"dropped at {t}s inside the 300 s window"
+    # The medium load's recommendation holds until 300 s after the last medium window (690 s).
+    medium = Planner(cfg, frozen_model()).plan(snap(0, rate=15.0), {"prefill": 1, "decode": 1}, 0)
+    medium_rec = medium.prefill.recommended
+    assert peak > medium_rec
+    at = {t: o["prefill"] for t, o in zip(times, out, strict=True)}
+    assert at[990] == medium_rec and at[1020] < medium_rec
+
+
+def test_no_flapping_on_noisy_steady_load():
+    rng = random.Random(7)
+    planner = Planner(PlannerConfig(prefill=PhaseLimits(1, 20), decode=PhaseLimits(1, 20)), frozen_model())
+    seq = [snap(t, rate=20.0 * rng.uniform(0.85, 1.15), isl=1000 * rng.uniform(0.9, 1.1))
+           for t in range(0, 3600, 30)]
+    out = run(planner, seq, {"prefill": 1, "decode": 1})
+    for phase in ("prefill", "decode"):
+        counts = [o[phase] for o in out[4:]]  # after the initial ramp
+        reversals = sum(1 for a, b, c in zip(counts, counts[1:], counts[2:], strict=False)
+                        if (b - a) * (c - b) < 0)
+        changes = sum(1 for a, b in zip(counts, counts[1:], strict=False) if a != b)
+        assert reversals == 0 and changes <= 2, f"{phase} flapped: {counts}"
+
+
+def test_restart_does_not_scale_down_before_a_full_window():
+    planner = Planner(PlannerConfig(prefill=PhaseLimits(1, 20)), frozen_model())
+    current = {"prefill": 8, "decode": 4}
+    d = planner.plan(snap(1000, rate=0.5), current, 1000)
+    assert d.desired == current
+    d = planner.plan(snap(1330, rate=0.5), current, 1330)
+    assert d.prefill.desired < 8
+
+
+def test_scale_up_policy_limits_rate():
+    rules = ScalingRules(0.0, (ScalingPolicy("Pods", 1, 60),))
+    cfg = PlannerConfig(behavior=Behavior(scale_up=rules), prefill=PhaseLimits(1, 20))
+    planner = Planner(cfg, frozen_model())
+    out = run(planner, [snap(t, rate=60.0) for t in range(0, 300, 30)], {"prefill": 1, "decode": 1})
+    p = [o["prefill"] for o in out]
+    assert p[:6] == [2, 2, 3, 3, 4, 4]  # one pod per 60 s, however large the recommendation
+
+
+# ---- ratio bounds ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ratio_bounds_hold(seed):
+    rng = random.Random(seed)
+    cfg = PlannerConfig(min_pd_ratio=0.5, max_pd_ratio=2.0, prefill=PhaseLimits(1, 30),
+                        decode=PhaseLimits(1, 30))
+    planner = Planner(cfg, frozen_model())
+    current = {"prefill": 1, "decode": 1}
+    for i in range(30):
+        # Prompt-heavy then decode-heavy loads push the two phases apart.
+        isl, osl = rng.choice([(8000, 10), (50, 1500), (1000, 200)])
+        d = planner.plan(snap(i * INTERVAL, rate=rng.uniform(1, 40), isl=isl, osl=osl), current, i * INTERVAL)
+        p, dd = d.prefill.desired, d.decode.desired
+        assert 0.5 * dd <= p <= 2.0 * dd, (p, dd, d.reason)
+        current = d.desired
+
+
+# ---- decode sizing and calibration ----------------------------------------------------------
+
+def test_decode_kv_demand_follows_the_formula():
+    prof = DecodeProfile(layers=32, kv_heads=8, head_dim=128, dtype_bytes=2, kv_cache_bytes=2 * 131072 * 10000)
+    assert prof.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2
+    cfg = PlannerConfig(decode=PhaseLimits(1, 100), kv_headroom=0.0, itl_s=10.0)
+    model = PerfModel(PrefillProfile(), prof, min_requests=10**9)
+    # 20000 KV tokens per replica; 100 concurrent requests of 1000 tokens each need 5 replicas.
+    s = snap(0, rate=1.0, isl=900, osl=100, decode_running=100.0, kv_usage=None)
+    d = Planner(cfg, model).plan(s, {"prefill": 1, "decode": 5}, 0)
+    assert d.decode.recommended == 5
+    s2 = snap(0, rate=1.0, isl=1900, osl=100, decode_running=100.0, kv_usage=None)
+    d2 = Planner(cfg, PerfModel(PrefillProfile(), prof, min_requests=10**9)).plan(s2, {"prefill": 1, "decode": 10}, 0)
+    assert d2.decode.recommended == 10
+
+
+def test_calibration_finds_true_prefill_capacity_from_a_wrong_prior():
+    true_mu, rate, isl, c = 6000.0, 6.0, 1500.0, 3
+    observed = mean_ttft(c, rate, isl, true_mu, 0.01, 1.0)
+    model = PerfModel(PrefillProfile(tokens_per_s=18000.0), DecodeProfile())
+    planner = Planner(PlannerConfig(prefill=PhaseLimits(1, 20)), model)
+    for i in range(25):
+        planner.plan(snap(i * INTERVAL, rate=rate, isl=isl, ttft_mean=observed, ttft_p=0.3, ready_prefill=c),
+                     {"prefill": c, "decode": 2}, i * INTERVAL)
+    assert model.prefill.tokens_per_s == pytest.approx(true_mu, rel=0.05)
+
+
+def test_calibration_ignores_ttft_when_decode_is_the_bottleneck():
+    model = PerfModel(PrefillProfile(tokens_per_s=9000.0), DecodeProfile())
+    planner = Planner(PlannerConfig(), model)
+    planner.plan(snap(0, rate=6.0, ttft_mean=3.0, kv_usage=0.99, decode_waiting=20.0, ready_prefill=2),
+                 {"prefill": 2, "decode": 2}, 0)
+    assert model.prefill.tokens_per_s == 9000.0
