@@ -1,0 +1,153 @@
+"""Owns the model weights and the KV cache tensor; turns a scheduled batch into one forward pass."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from phasesplit.runtime.engine.scheduler import ScheduledBatch
+from phasesplit.runtime.engine.sequence import Sequence
+from phasesplit.runtime.model.attention import build_metadata
+from phasesplit.runtime.model.config import ModelConfig
+from phasesplit.runtime.model.llama import LlamaModel, rope_inv_freq
+from phasesplit.runtime.model.loader import ModelFiles, load_weights, read_config
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RunnerConfig:
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None: kv_cache_fraction of free memory
+    kv_cache_fraction: float = 0.3
+    max_model_len: int | None = None
+    threads: int | None = None
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16
+    # On CPUs with native bf16 dot products (AVX512-BF16/AMX) bf16 measured faster here than
+    # fp32 (half the bytes per decode step); elsewhere bf16 is emulated and fp32 wins.
+    return torch.bfloat16 if _cpu_has_bf16() else torch.float32
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 4 << 30
+
+
+class ModelRunner:
+    def __init__(self, files: ModelFiles, rc: RunnerConfig) -> None:
+        t0 = time.perf_counter()
+        if rc.threads:
+            torch.set_num_threads(rc.threads)
+        elif hasattr(os, "sched_getaffinity"):
+            torch.set_num_threads(len(os.sched_getaffinity(0)))
+        self.device = pick_device(rc.device)
+        self.dtype = pick_dtype(rc.dtype, self.device)
+        self.cfg: ModelConfig = read_config(files)
+        with torch.device("meta"):
+            model = LlamaModel(self.cfg)
+        load_weights(model, files, self.dtype, self.device)
+        model.inv_freq = rope_inv_freq(self.cfg).to(self.device)
+        self.model = model.eval()
+        self.block_size = rc.block_size
+        self.max_model_len = min(rc.max_model_len or self.cfg.max_position, self.cfg.max_position)
+        per_token = self.cfg.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
+        budget = rc.kv_cache_memory or int(available_memory(self.device) * rc.kv_cache_fraction)
+        self.num_blocks = budget // (per_token * self.block_size)
+        if self.num_blocks < 2:
+            raise ValueError(f"KV cache budget of {budget} bytes holds fewer than 2 blocks "
+                             f"({per_token * self.block_size} bytes each); raise --kv-cache-memory")
+        c = self.cfg
+        self.kv_cache = torch.zeros(2, c.num_layers, self.num_blocks * self.block_size, c.num_kv_heads,
+                                    c.head_dim, dtype=self.dtype, device=self.device)
+        log.info("model loaded on %s/%s in %.2fs; KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
+                 self.device, str(self.dtype).removeprefix("torch."), time.perf_counter() - t0,
+                 self.num_blocks, self.block_size, self.num_blocks * self.block_size,
+                 self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, after_layer: Callable[[int], None] | None = None
+            ) -> tuple[list[Sequence], torch.Tensor]:
+        """One forward pass. Returns the sequences that reached their end this step (they need a
+        sampled token) and their logits, row for row."""
+        ids: list[int] = []
+        pos: list[int] = []
+        logits_rows: list[int] = []
+        sampled: list[Sequence] = []
+        for seq in batch.decode:
+            ids.append(seq.all_ids[-1])
+            pos.append(len(seq) - 1)
+            logits_rows.append(len(ids) - 1)
+            sampled.append(seq)
+        prefill_meta = []
+        for seq, chunk in batch.prefill:
+            start = seq.num_computed
+            ids.extend(seq.all_ids[start : start + chunk])
+            pos.extend(range(start, start + chunk))
+            prefill_meta.append((seq.block_table, start, chunk))
+            if start + chunk == len(seq):
+                logits_rows.append(len(ids) - 1)
+                sampled.append(seq)
+        meta = build_metadata([(s.block_table, len(s)) for s in batch.decode], prefill_meta,
+                              self.block_size, self.device)
+        dev = self.device
+        logits = self.model(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
+            self.kv_cache,
+            meta,
+            torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            after_layer,
+        )
+        for seq in batch.decode:
+            seq.num_computed += 1
+        for seq, chunk in batch.prefill:
+            seq.num_computed += chunk
+        return sampled, logits
+
+    def slots(self, seq: Sequence, begin: int, end: int) -> torch.Tensor:
+        """Flat cache slots of token positions [begin, end) of a sequence."""
+        pos = torch.arange(begin, end)
+        table = torch.tensor(seq.block_table, dtype=torch.long)
+        return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.device)

@@ -1,0 +1,80 @@
+"""Sampling parameters and the sampler (greedy, temperature, top-k, top-p, seeds)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    def validate(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0 (0 turns it off)")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens must be between 0 and max_tokens")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+class Sampler:
+    """Picks one token per row of logits. Seeded requests own a generator, so the same seed gives
+    the same tokens whatever else is in the batch."""
+
+    def __init__(self) -> None:
+        self.generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str],
+               banned: list[list[int]]) -> list[int]:
+        """logits: [rows, vocab] float32. banned[i]: token ids not allowed in row i (min_tokens)."""
+        for i, ban in enumerate(banned):
+            if ban:
+                logits[i, ban] = float("-inf")
+        out = logits.argmax(dim=-1).tolist()
+        for i, p in enumerate(params):
+            if not p.greedy:
+                out[i] = self._sample_row(logits[i], p, request_ids[i])
+        return out
+
+    def _sample_row(self, row: torch.Tensor, p: SamplingParams, request_id: str) -> int:
+        row = row / p.temperature
+        if p.top_k > 0 and p.top_k < row.numel():
+            kth = torch.topk(row, p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if p.top_p < 1.0:
+            sorted_p, idx = probs.sort(descending=True)
+            cum = sorted_p.cumsum(0)
+            drop = cum - sorted_p > p.top_p  # keep the smallest set whose mass reaches top_p
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+        gen = None
+        if p.seed is not None:
+            gen = self.generators.get(request_id)
+            if gen is None:
+                gen = torch.Generator(device=row.device)
+                gen.manual_seed(p.seed)
+                self.generators[request_id] = gen
+        return int(torch.multinomial(probs, 1, generator=gen).item())

@@ -1,0 +1,119 @@
+"""Continuous batching with chunked prefill and preemption by recomputation.
+
+Every step the scheduler fills a token budget: first one token for each decoding sequence (so
+a long prompt never stalls running streams), then prefill chunks for sequences still reading
+their prompt, then newly admitted requests. When the cache runs out the most recently admitted
+sequence is preempted: its blocks are freed and it goes back to the front of the queue, to be
+recomputed (its prefix blocks often survive in the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from phasesplit.runtime.engine.block_manager import BlockManager
+from phasesplit.runtime.engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    decode: list[Sequence] = field(default_factory=list)  # one new token each
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk length)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(n for _, n in self.prefill)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.budget = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(s.status is Status.RUNNING for s in self.running)
+
+    @property
+    def waiting_tokens(self) -> int:
+        return sum(s.uncomputed for s in self.waiting)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        active = [s for s in self.running if s.status is Status.RUNNING]
+        # 1. Decoding sequences: one token each, preempting the newest when blocks run out.
+        for seq in [s for s in active if s.uncomputed == 1]:
+            if seq not in self.running:  # preempted while making room for an older one
+                continue
+            while not self.blocks.can_grow(seq, len(seq)):
+                victim = self._newest_preemptible(exclude=seq)
+                if victim is None:
+                    break
+                self._preempt(victim, batch)
+            if not self.blocks.can_grow(seq, len(seq)):
+                self._preempt(seq, batch)
+                continue
+            if len(batch.decode) == self.budget:
+                break
+            self.blocks.grow(seq, len(seq))
+            batch.decode.append(seq)
+        budget = self.budget - len(batch.decode)
+        # 2. Sequences part-way through their prompt continue with the next chunk.
+        for seq in [s for s in self.running if s.status is Status.RUNNING and s.uncomputed > 1]:
+            if budget == 0:
+                break
+            chunk = min(seq.uncomputed, budget)
+            batch.prefill.append((seq, chunk))
+            budget -= chunk
+        # 3. Admit waiting requests while the budget, batch size and cache allow.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.blocks.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            chunk = min(seq.uncomputed, budget)
+            batch.prefill.append((seq, chunk))
+            budget -= chunk
+        return batch
+
+    def _newest_preemptible(self, exclude: Sequence) -> Sequence | None:
+        for seq in reversed(self.running):
+            if seq is not exclude and seq.status is Status.RUNNING:
+                return seq
+        return None
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.blocks.free_seq(seq)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+        if seq in batch.decode:
+            batch.decode.remove(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence from wherever it is and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free_seq(seq)
+        seq.status = Status.FINISHED

@@ -1,0 +1,52 @@
+"""A request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from phasesplit.runtime.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued; no blocks
+    REMOTE_PREFILL = "remote_prefill"  # blocks reserved; a prefill worker is filling them
+    RUNNING = "running"  # in the batch (prefilling in chunks, or decoding)
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_cached_prompt: int = 0  # prompt tokens served by the prefix cache
+    num_registered: int = 0  # leading blocks whose hashes are registered for prefix reuse
+    finish_reason: str | None = None
+    first_scheduled: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_preemptions: int = 0
+    prefill_only: bool = False  # prefill worker: stop after the first token
+    stop_text: str | None = None  # set when a stop string ends the request
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def uncomputed(self) -> int:
+        return len(self) - self.num_computed

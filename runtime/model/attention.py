@@ -1,0 +1,124 @@
+"""Attention over a paged KV cache, on CPU and CUDA alike.
+
+New K/V are scattered into their slots first; each sequence then attends over the slots its
+block table names. Decode tokens (one query each) are batched with a padded gather and a mask;
+prefill chunks run one sequence at a time with a causal mask offset by the cached prefix.
+Everything that does not depend on the layer (gather indices, masks) is built once per step in
+`AttentionMetadata`, not once per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSegment:
+    start: int  # first row of this sequence's queries in the flat batch
+    length: int  # number of query tokens (this chunk)
+    context: int  # tokens visible after this chunk: cached prefix + chunk
+    gather: torch.Tensor | None  # slots of all `context` tokens; None when there is no prefix
+    mask: torch.Tensor | None  # [length, context] bool, None when plain causal
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [tokens] slot each new token's K/V is written to
+    num_decode: int = 0  # the first num_decode tokens are single-token decode queries
+    decode_gather: torch.Tensor | None = None  # [num_decode, max_context] slots, padded
+    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_context] bool
+    prefills: list[PrefillSegment] = field(default_factory=list)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]; caches: [slots, kv_heads, dim]."""
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    gqa = q.shape[1] != k.shape[1]
+    if meta.num_decode and not meta.prefills:
+        return _decode(q, k_cache, v_cache, meta, gqa)
+    out = torch.empty_like(q)
+    if meta.num_decode:
+        out[: meta.num_decode] = _decode(q[: meta.num_decode], k_cache, v_cache, meta, gqa)
+    for seg in meta.prefills:
+        qs = q[seg.start : seg.start + seg.length].transpose(0, 1).unsqueeze(0)
+        if seg.gather is None:
+            ks = k[seg.start : seg.start + seg.length]
+            vs = v[seg.start : seg.start + seg.length]
+        else:
+            ks, vs = k_cache[seg.gather], v_cache[seg.gather]
+        o = F.scaled_dot_product_attention(
+            qs,
+            ks.transpose(0, 1).unsqueeze(0),
+            vs.transpose(0, 1).unsqueeze(0),
+            attn_mask=seg.mask,
+            is_causal=seg.mask is None,
+            enable_gqa=gqa,
+        )
+        out[seg.start : seg.start + seg.length] = o[0].transpose(0, 1)
+    return out
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, gqa: bool):
+    ks = k_cache[meta.decode_gather].transpose(1, 2)  # [n, kv_heads, ctx, dim]
+    vs = v_cache[meta.decode_gather].transpose(1, 2)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=meta.decode_mask, enable_gqa=gqa)
+    return o.squeeze(2)
+
+
+def build_metadata(
+    decode: list[tuple[list[int], int]],
+    prefill: list[tuple[list[int], int, int]],
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Metadata for one step.
+
+    decode: (block_table, context_len) per decode sequence; its new token is at context_len-1.
+    prefill: (block_table, cached_len, chunk_len) per prefill sequence, in flat-batch order
+    after the decode tokens.
+    """
+    slots: list[int] = []
+    for table, ctx in decode:
+        pos = ctx - 1
+        slots.append(table[pos // block_size] * block_size + pos % block_size)
+    meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decode=len(decode))
+    if decode:
+        width = max(ctx for _, ctx in decode)
+        gather = torch.zeros(len(decode), width, dtype=torch.long)
+        lens = torch.tensor([ctx for _, ctx in decode])
+        for i, (table, ctx) in enumerate(decode):
+            gather[i, :ctx] = _slots_of(table, 0, ctx, block_size)
+        mask = torch.arange(width)[None, :] < lens[:, None]
+        meta.decode_gather = gather.to(device)
+        meta.decode_mask = mask[:, None, None, :].to(device)
+    start = len(decode)
+    for table, cached, chunk in prefill:
+        ctx = cached + chunk
+        new = _slots_of(table, cached, ctx, block_size)
+        slots.extend(new.tolist())
+        if cached == 0:
+            seg = PrefillSegment(start, chunk, ctx, None, None)
+        else:
+            visible = torch.arange(ctx)[None, :] <= (cached + torch.arange(chunk))[:, None]
+            seg = PrefillSegment(start, chunk, ctx, _slots_of(table, 0, ctx, block_size).to(device), visible.to(device))
+        meta.prefills.append(seg)
+        start += chunk
+    meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+    return meta
+
+
+def _slots_of(table: list[int], begin: int, end: int, block_size: int) -> torch.Tensor:
+    pos = torch.arange(begin, end)
+    blocks = torch.tensor(table, dtype=torch.long)[pos // block_size]
+    return blocks * block_size + pos % block_size

@@ -1,0 +1,125 @@
+"""Llama-family decoder in plain PyTorch, reading and writing a paged KV cache.
+
+The forward pass takes a flat batch of tokens from many sequences (prefill chunks and decode
+tokens together) so that every linear layer runs once per step on all of them; only attention
+is per-sequence. Projections are fused (qkv, gate+up) to keep the op count per layer low: at
+135M parameters, Python and dispatch overhead per op is a large share of a decode step on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from phasesplit.runtime.model.attention import AttentionMetadata, paged_attention
+from phasesplit.runtime.model.config import ModelConfig
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies for RoPE, with the scaling variants Llama models use."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    sc = cfg.rope_scaling or {}
+    kind = sc.get("rope_type", sc.get("type", "default"))
+    if kind == "linear":
+        inv = inv / float(sc["factor"])
+    elif kind == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+        factor = float(sc["factor"])
+        low, high = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
+        old_ctx = float(sc.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+        mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif kind not in ("default", None):
+        raise ValueError(f"unsupported rope scaling type {kind!r}")
+    return inv.float()
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_size, self.kv_size = q, kv
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.eps = cfg.rms_eps
+        self.attn_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.qkv = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=False)
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
+        self.mlp_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = F.rms_norm(x, (x.shape[-1],), self.attn_norm, self.eps)
+        q, k, v = self.qkv(h).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        t = x.shape[0]
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        attn = paged_attention(q, k, v, k_cache, v_cache, meta)
+        x = x + self.o_proj(attn.reshape(t, self.q_size))
+        h = F.rms_norm(x, (x.shape[-1],), self.mlp_norm, self.eps)
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (Hugging Face layout); cos/sin are [tokens, 1, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_index: torch.Tensor,
+        after_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Run one step; returns logits for the tokens picked by `logits_index` only.
+
+        `kv_cache` is [2, layers, slots, kv_heads, head_dim]; `after_layer(i)` is called once
+        layer i's K/V are in the cache (the prefill worker streams them out from there).
+        """
+        x = self.embed(input_ids)
+        cos, sin = self.rope_tables(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], meta)
+            if after_layer is not None:
+                after_layer(i)
+        x = F.rms_norm(x[logits_index], (x.shape[-1],), self.norm, self.cfg.rms_eps)
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, head).float()

@@ -1,0 +1,135 @@
+"""Drives an LLMEngine from one background thread and hands results to asyncio tasks.
+
+Torch releases the GIL inside its kernels, so the event loop keeps serving HTTP while a step
+runs. Every engine mutation happens on the engine thread: requests and aborts arrive through
+an inbox, which keeps the engine itself free of locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from phasesplit.runtime.engine.engine import LLMEngine, RequestOutput
+from phasesplit.runtime.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDead(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    # -- called from the event loop ------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       **options: Any) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs. Leaving the iterator early aborts the request."""
+        if self.error is not None:
+            raise EngineDead(f"engine failed: {self.error}")
+        self.engine.check_request(len(prompt_ids), params)  # fail fast, with a 400
+        q: asyncio.Queue = asyncio.Queue()
+        self.streams[request_id] = (asyncio.get_running_loop(), q)
+        self.inbox.put(("add", (request_id, prompt_ids, params, options)))
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self.streams.pop(request_id, None)
+            if not finished:
+                self.inbox.put(("abort", request_id))
+
+    def call(self, fn: Callable[[LLMEngine], Any]) -> None:
+        """Run fn(engine) on the engine thread (for split-mode hooks)."""
+        self.inbox.put(("call", fn))
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self.inbox.put(("stop", None))
+        self._thread.join(timeout=10)
+
+    # -- engine thread ---------------------------------------------------------------------------
+
+    def _deliver(self, request_id: str, item: Any) -> None:
+        target = self.streams.get(request_id)
+        if target is not None:
+            loop, q = target
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _handle(self, kind: str, payload: Any) -> None:
+        e = self.engine
+        if kind == "add":
+            request_id, prompt_ids, params, options = payload
+            if request_id not in self.streams:  # the client left before the engine saw it
+                return
+            try:
+                e.add_request(request_id, prompt_ids, params, **options)
+            except Exception as exc:  # a request error must reach its caller, not kill the engine
+                self._deliver(request_id, exc)
+        elif kind == "abort":
+            e.abort(payload)
+        elif kind == "call":
+            payload(e)
+
+    def _run(self) -> None:
+        e = self.engine
+        while not self._stop.is_set():
+            try:
+                kind, payload = self.inbox.get(timeout=None if not e.has_work() else 0)
+            except queue.Empty:
+                kind = None
+            try:
+                while kind is not None:
+                    if kind == "stop":
+                        return
+                    self._handle(kind, payload)
+                    try:
+                        kind, payload = self.inbox.get_nowait()
+                    except queue.Empty:
+                        kind = None
+                if e.has_work():
+                    for out in e.step():
+                        self._deliver(out.request_id, out)
+            except Exception as exc:  # noqa: BLE001 - report to every waiter, then stop
+                log.exception("engine step failed")
+                self.error = exc
+                for rid in list(self.streams):
+                    self._deliver(rid, EngineDead(f"engine failed: {exc}"))
+                return
+
+
+class LocalBackend:
+    """The OpenAI API's backend in colocated mode: the engine in this process."""
+
+    def __init__(self, aengine: AsyncEngine) -> None:
+        self.aengine = aengine
+        self.tokenizer = aengine.engine.tokenizer
+        self.max_model_len = aengine.engine.max_model_len
+
+    def check_request(self, prompt_len: int, params: SamplingParams) -> None:
+        self.aengine.engine.check_request(prompt_len, params)
+
+    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
+                 ) -> AsyncIterator[RequestOutput]:
+        return self.aengine.generate(request_id, prompt_ids, params)

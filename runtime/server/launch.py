@@ -1,0 +1,81 @@
+"""`phasesplit serve`: build the app for one role and run it under uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+
+from fastapi import FastAPI
+
+from phasesplit.runtime.engine.engine import EngineConfig, LLMEngine
+from phasesplit.runtime.engine.model_runner import RunnerConfig
+from phasesplit.runtime.model.loader import ModelError
+from phasesplit.runtime.server.async_engine import AsyncEngine, LocalBackend
+from phasesplit.runtime.server.metrics import EngineMetrics, Metrics
+from phasesplit.runtime.server.openai_api import build_openai_app
+
+log = logging.getLogger("phasesplit")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        runner=RunnerConfig(device=args.device, dtype=args.dtype, block_size=args.block_size,
+                            kv_cache_memory=args.kv_cache_memory, kv_cache_fraction=args.kv_cache_fraction,
+                            max_model_len=args.max_model_len, threads=args.threads),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefix_caching=args.prefix_caching,
+    )
+
+
+def build_engine(args: argparse.Namespace, phase: str) -> tuple[LLMEngine, Metrics, str]:
+    engine = LLMEngine(args.model, engine_config(args))
+    name = args.served_model_name or engine.model_name
+    metrics = Metrics(name, phase)
+    engine.observer = EngineMetrics(metrics, engine)
+    metrics.bind(running=lambda: len(engine.scheduler.running),
+                 waiting=lambda: len(engine.scheduler.waiting),
+                 kv_usage=lambda: engine.blocks.usage,
+                 queue_tokens=lambda: engine.scheduler.waiting_tokens)
+    return engine, metrics, name
+
+
+def add_debug_routes(app: FastAPI, engine: LLMEngine) -> None:
+    @app.get("/debug/state")
+    async def state() -> dict:
+        """Block and request counts: lets tests and operators see that nothing is stranded."""
+        return {"running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
+                "requests": len(engine.seqs), "allocated_blocks": engine.blocks.num_allocated,
+                "free_blocks": engine.blocks.num_free, "total_blocks": engine.blocks.num_blocks}
+
+
+def build_app(args: argparse.Namespace) -> FastAPI:
+    if args.role == "both":
+        engine, metrics, name = build_engine(args, "both")
+        aengine = AsyncEngine(engine)
+        api_key = os.environ.get(args.api_key_env) or None
+        app = build_openai_app(LocalBackend(aengine), name, metrics,
+                               ready=lambda: (aengine.error is None, str(aengine.error or "ok")), api_key=api_key)
+        add_debug_routes(app, engine)
+        app.router.on_shutdown.append(aengine.shutdown)
+        return app
+    from phasesplit.runtime.server.split import build_split_app
+
+    return build_split_app(args)
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {args.role} %(levelname)s %(message)s")
+    t0 = time.perf_counter()
+    try:
+        app = build_app(args)
+    except (ModelError, ValueError, RuntimeError) as e:
+        log.error("cannot start: %s", e)
+        return 2
+    log.info("role %s ready in %.2fs on http://%s:%d", args.role, time.perf_counter() - t0, args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,111 @@
+"""Prometheus metrics with the names DESIGN.md fixes (prefix phasesplit_, labels model and phase).
+
+Each server process owns one registry, so several servers (or tests) in one process never clash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from phasesplit.runtime.engine.engine import EngineObserver, LLMEngine
+from phasesplit.runtime.engine.scheduler import ScheduledBatch
+from phasesplit.runtime.engine.sequence import Sequence
+
+# vLLM's buckets, so dashboards built for it read these the same way.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Metrics:
+    def __init__(self, model: str, phase: str) -> None:
+        self.registry = CollectorRegistry()
+        self.labels = {"model": model, "phase": phase}
+        names = ["model", "phase"]
+        r = self.registry
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"phasesplit_{name}", doc, names, buckets=buckets, registry=r)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"phasesplit_{name}", doc, names, registry=r)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first token", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive tokens", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the last token", E2E_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Time from arrival to first scheduling", TTFT_BUCKETS)
+        self.kv_transfer = hist("kv_transfer_seconds", "Time to move one request's KV cache", TRANSFER_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of finished prefills")
+        self.generation_tokens = counter("generation_tokens_total", "Generated tokens")
+        self.prefix_queries = counter("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache")
+        self.preemptions = counter("num_preemptions_total", "Requests preempted to free KV cache")
+        self.kv_bytes = counter("kv_transfer_bytes_total", "KV cache bytes sent or received")
+        self.local_prefill = counter("local_prefill_total", "Decode-worker requests prefilled locally")
+        self.success = Counter("phasesplit_request_success_total", "Finished requests by reason",
+                               [*names, "finished_reason"], registry=r)
+        self.running = Gauge("phasesplit_num_requests_running", "Requests in the running batch", names, registry=r)
+        self.waiting = Gauge("phasesplit_num_requests_waiting", "Requests waiting to be scheduled", names, registry=r)
+        self.kv_usage = Gauge("phasesplit_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)",
+                              names, registry=r)
+        self.prefill_queue = Gauge("phasesplit_prefill_queue_tokens", "Prompt tokens waiting to be prefilled",
+                                   names, registry=r)
+
+    def bind(self, running: Callable[[], float], waiting: Callable[[], float], kv_usage: Callable[[], float],
+             queue_tokens: Callable[[], float] | None = None) -> None:
+        """Read the gauges from live engine state at scrape time."""
+        self.running.labels(**self.labels).set_function(running)
+        self.waiting.labels(**self.labels).set_function(waiting)
+        self.kv_usage.labels(**self.labels).set_function(kv_usage)
+        if queue_tokens is not None:
+            self.prefill_queue.labels(**self.labels).set_function(queue_tokens)
+
+    def child(self, metric):  # the labelled child of a metric
+        return metric.labels(**self.labels)
+
+
+class EngineMetrics(EngineObserver):
+    """Feeds engine events into the Prometheus metrics."""
+
+    def __init__(self, metrics: Metrics, engine: LLMEngine) -> None:
+        self.m = metrics
+        self.engine = engine  # read for the prefix-cache and preemption counters
+        self._seen_queries = 0
+        self._seen_hits = 0
+        self._seen_preemptions = 0
+
+    def on_scheduled(self, seq: Sequence) -> None:
+        self.m.child(self.m.queue).observe(max(0.0, (seq.first_scheduled or seq.arrival) - seq.arrival))
+
+    def on_token(self, seq: Sequence, now: float) -> None:
+        m = self.m
+        m.child(m.generation_tokens).inc()
+        if seq.last_token_time is None:
+            m.child(m.ttft).observe(now - seq.arrival)
+            m.child(m.prompt_tokens).inc(len(seq.prompt_ids))
+        else:
+            m.child(m.itl).observe(now - seq.last_token_time)
+
+    def on_finished(self, seq: Sequence, now: float) -> None:
+        m = self.m
+        m.child(m.e2e).observe(now - seq.arrival)
+        m.success.labels(**m.labels, finished_reason=seq.finish_reason or "unknown").inc()
+
+    def on_step(self, batch: ScheduledBatch, seconds: float) -> None:
+        e = self.engine
+        m = self.m
+        b = e.blocks
+        if b.queries > self._seen_queries:
+            m.child(m.prefix_queries).inc(b.queries - self._seen_queries)
+            self._seen_queries = b.queries
+        if b.hits > self._seen_hits:
+            m.child(m.prefix_hits).inc(b.hits - self._seen_hits)
+            self._seen_hits = b.hits
+        p = e.scheduler.num_preemptions
+        if p > self._seen_preemptions:
+            m.child(m.preemptions).inc(p - self._seen_preemptions)
+            self._seen_preemptions = p
