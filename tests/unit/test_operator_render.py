@@ -1,0 +1,200 @@
+"""Pure rendering: the children an InferenceService wants, field by field."""
+
+from __future__ import annotations
+
+import copy
+
+from phasesplit.operator import api, render
+
+OWNER = render.Owner(name="chat", namespace="serving", uid="uid-1")
+MINIMAL = {"model": {"name": "smollm2-135m", "builtin": "smollm2"}, "prefill": {"replicas": 1},
+           "decode": {"replicas": 2}}
+
+
+def spec_of(**patch) -> api.InferenceServiceSpec:
+    return api.InferenceServiceSpec.model_validate({**copy.deepcopy(MINIMAL), **patch})
+
+
+def by_key(spec: api.InferenceServiceSpec, replicas=None) -> dict[tuple[str, str], dict]:
+    return {render.key(o): o for o in render.render(OWNER, spec, replicas)}
+
+
+def pod(objs, component):
+    return objs[("Deployment", f"chat-{component}")]["spec"]["template"]["spec"]
+
+
+def test_minimal_renders_the_full_set():
+    objs = by_key(spec_of())
+    assert sorted(objs) == sorted([
+        ("ServiceAccount", "chat-router"), ("Role", "chat-router"), ("RoleBinding", "chat-router"),
+        ("Service", "chat-router"), ("Service", "chat-prefill"), ("Service", "chat-decode"),
+        ("Deployment", "chat-prefill"), ("Deployment", "chat-decode"), ("Deployment", "chat-router"),
+        ("PodDisruptionBudget", "chat-prefill"), ("PodDisruptionBudget", "chat-decode"),
+        ("PodDisruptionBudget", "chat-router"),
+        ("NetworkPolicy", "chat-prefill"), ("NetworkPolicy", "chat-decode"),
+    ])
+    replicas = {c: objs[("Deployment", f"chat-{c}")]["spec"]["replicas"] for c in api.COMPONENTS}
+    assert replicas == {"prefill": 1, "decode": 2, "router": 1}
+
+
+def test_every_child_is_owned_labelled_and_namespaced():
+    for obj in render.render(OWNER, spec_of()):
+        meta = obj["metadata"]
+        assert meta["namespace"] == "serving"
+        (ref,) = meta["ownerReferences"]
+        assert ref == {"apiVersion": "serving.phasesplit.io/v1alpha1", "kind": "InferenceService", "name": "chat",
+                       "uid": "uid-1", "controller": True, "blockOwnerDeletion": True}
+        labels = meta["labels"]
+        assert labels["app.kubernetes.io/name"] == "phasesplit"
+        assert labels["app.kubernetes.io/instance"] == "chat"
+        assert labels["app.kubernetes.io/managed-by"] == render.MANAGED_BY
+        assert labels["app.kubernetes.io/component"] in api.COMPONENTS
+        assert "app.kubernetes.io/part-of" in labels and "app.kubernetes.io/version" in labels
+
+
+def test_rendering_is_deterministic():
+    assert render.render(OWNER, spec_of()) == render.render(OWNER, spec_of())
+
+
+def test_pods_are_locked_down():
+    objs = by_key(spec_of())
+    for component in api.COMPONENTS:
+        spec = pod(objs, component)
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        (c,) = spec["containers"]
+        sc = c["securityContext"]
+        assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+        assert sc["capabilities"] == {"drop": ["ALL"]}
+        assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["HOME"] == "/tmp" and env["XDG_CACHE_HOME"] == "/tmp/cache"
+        assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+        assert c["startupProbe"]["httpGet"]["path"] == "/health"
+        assert c["ports"][0] == {"name": "http", "containerPort": 8000, "protocol": "TCP"}
+    assert pod(objs, "router")["serviceAccountName"] == "chat-router"
+    assert pod(objs, "prefill")["automountServiceAccountToken"] is False
+    assert pod(objs, "decode")["automountServiceAccountToken"] is False
+    kv = [p for p in pod(objs, "decode")["containers"][0]["ports"] if p["name"] == "kv"]
+    assert kv == [{"name": "kv", "containerPort": 9000, "protocol": "TCP"}]
+
+
+def test_deployment_selector_matches_template_and_services():
+    objs = by_key(spec_of())
+    for component in api.COMPONENTS:
+        dep = objs[("Deployment", f"chat-{component}")]
+        sel = dep["spec"]["selector"]["matchLabels"]
+        assert sel.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+        assert objs[("Service", f"chat-{component}")]["spec"]["selector"] == sel
+        assert objs[("PodDisruptionBudget", f"chat-{component}")]["spec"] == {
+            "maxUnavailable": 1, "selector": {"matchLabels": sel}}
+
+
+def test_services_router_exposed_phases_headless():
+    objs = by_key(spec_of(router={"service": {"type": "LoadBalancer", "port": 8080,
+                                              "annotations": {"lb": "internal"}}}))
+    router = objs[("Service", "chat-router")]
+    assert router["spec"]["type"] == "LoadBalancer" and router["metadata"]["annotations"] == {"lb": "internal"}
+    assert router["spec"]["ports"] == [{"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP"}]
+    for phase in api.PHASES:
+        assert objs[("Service", f"chat-{phase}")]["spec"]["clusterIP"] == "None"
+    assert [p["name"] for p in objs[("Service", "chat-decode")]["spec"]["ports"]] == ["http", "kv"]
+
+
+def test_router_rbac_reads_endpointslices_only():
+    objs = by_key(spec_of())
+    assert objs[("Role", "chat-router")]["rules"] == [
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}]
+    binding = objs[("RoleBinding", "chat-router")]
+    assert binding["roleRef"]["name"] == "chat-router"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "chat-router", "namespace": "serving"}]
+
+
+def test_network_policies_admit_only_the_split_traffic():
+    objs = by_key(spec_of(kvTransfer={"port": 9100}))
+    sel = {c: render.selector(OWNER, c) for c in api.COMPONENTS}
+    prefill = objs[("NetworkPolicy", "chat-prefill")]["spec"]
+    assert prefill["podSelector"] == {"matchLabels": sel["prefill"]}
+    assert prefill["policyTypes"] == ["Ingress"]
+    sources = [([p.get("podSelector", {}).get("matchLabels") for p in r["from"]], r["ports"]) for r in prefill["ingress"]]
+    assert sources[0] == ([sel["router"], sel["decode"]], [{"protocol": "TCP", "port": 8000}])
+    decode = objs[("NetworkPolicy", "chat-decode")]["spec"]["ingress"]
+    assert decode[0]["from"] == [{"podSelector": {"matchLabels": sel["router"]}}]
+    assert decode[1] == {"from": [{"podSelector": {"matchLabels": sel["prefill"]}}],
+                         "ports": [{"protocol": "TCP", "port": 9100}]}
+    # The last rule of each admits the operator's metric scrapes from any namespace, HTTP only.
+    for rules in (prefill["ingress"], decode):
+        assert rules[-1]["from"][0]["podSelector"]["matchLabels"] == render.OPERATOR_POD_LABELS
+        assert rules[-1]["ports"] == [{"protocol": "TCP", "port": 8000}]
+    off = by_key(spec_of(networkPolicy={"enabled": False}))
+    assert not [k for k in off if k[0] == "NetworkPolicy"]
+
+
+def test_model_volumes_are_read_only():
+    objs = by_key(spec_of(model={"name": "m", "pvc": {"claimName": "weights", "path": "a/b.gguf"}}))
+    spec = pod(objs, "decode")
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in spec["volumes"]
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in spec["containers"][0]["volumeMounts"]
+    objs = by_key(spec_of(model={"name": "m", "hostPath": {"directory": "/srv/models"}}))
+    assert {"name": "model", "hostPath": {"path": "/srv/models", "type": "Directory"}} in pod(objs, "router")["volumes"]
+
+
+def test_placement_resources_and_api_key():
+    objs = by_key(spec_of(
+        decode={"replicas": 2, "resources": {"limits": {"nvidia.com/gpu": 1}}, "nodeSelector": {"gpu": "h100"},
+                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                "affinity": {"podAntiAffinity": {}}},
+        router={"apiKeySecretRef": {"name": "keys", "key": "token"}},
+        runtime={"image": "example/rt:1", "imagePullPolicy": "Always", "imagePullSecrets": [{"name": "reg"}],
+                 "env": [{"name": "A", "value": "1"}]}))
+    decode = pod(objs, "decode")
+    assert decode["containers"][0]["resources"] == {"limits": {"nvidia.com/gpu": 1}}
+    assert decode["nodeSelector"] == {"gpu": "h100"}
+    assert decode["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert decode["affinity"] == {"podAntiAffinity": {}}
+    assert decode["imagePullSecrets"] == [{"name": "reg"}]
+    assert decode["containers"][0]["image"] == "example/rt:1"
+    assert decode["containers"][0]["imagePullPolicy"] == "Always"
+    assert {"name": "A", "value": "1"} in decode["containers"][0]["env"]
+    key_env = {"name": "PHASESPLIT_API_KEY", "valueFrom": {"secretKeyRef": {"name": "keys", "key": "token"}}}
+    assert key_env in pod(objs, "router")["containers"][0]["env"]
+    assert key_env not in decode["containers"][0]["env"]
+
+
+def test_hpa_mode_renders_autoscalers_and_leaves_replicas_to_them():
+    spec = spec_of(prefill={"replicas": 1, "maxReplicas": 3}, decode={"replicas": 2, "minReplicas": 0},
+                   autoscaling={"mode": "HPA", "hpaTargets": {"decodeKvCacheUsage": 0.75},
+                                "behavior": {"scaleUp": {"policies": [{"type": "Pods", "value": 2,
+                                                                       "periodSeconds": 30}]}}})
+    objs = by_key(spec)
+    for phase in api.PHASES:
+        assert "replicas" not in objs[("Deployment", f"chat-{phase}")]["spec"]
+    assert objs[("Deployment", "chat-router")]["spec"]["replicas"] == 1
+    prefill = objs[("HorizontalPodAutoscaler", "chat-prefill")]["spec"]
+    assert prefill["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "chat-prefill"}
+    assert (prefill["minReplicas"], prefill["maxReplicas"]) == (1, 3)
+    assert [m["pods"]["metric"]["name"] for m in prefill["metrics"]] == ["phasesplit_prefill_queue_tokens"]
+    decode = objs[("HorizontalPodAutoscaler", "chat-decode")]["spec"]
+    assert decode["minReplicas"] == 1  # an HPA cannot go to zero
+    assert [m["pods"]["metric"]["name"] for m in decode["metrics"]] == [
+        "phasesplit_num_requests_waiting", "phasesplit_kv_cache_usage_perc"]
+    assert decode["metrics"][1]["pods"]["target"] == {"type": "AverageValue", "averageValue": "750m"}
+    assert decode["behavior"]["scaleUp"] == {"stabilizationWindowSeconds": 0, "selectPolicy": "Max",
+                                             "policies": [{"type": "Pods", "value": 2, "periodSeconds": 30}]}
+    assert decode["behavior"]["scaleDown"] == {"stabilizationWindowSeconds": 300, "selectPolicy": "Max"}
+    assert not [k for k in by_key(spec_of()) if k[0] == "HorizontalPodAutoscaler"]
+
+
+def test_desired_replicas_seam_for_the_planner():
+    spec = spec_of(prefill={"replicas": 1, "maxReplicas": 3}, decode={"replicas": 2})
+    assert render.desired_replicas(spec) == {"router": 1, "prefill": 1, "decode": 2}
+    decision = api.Decision(prefill_replicas=9, decode_replicas=3, generation=4)
+    # The planner's decision wins within bounds (prefill capped at maxReplicas=3)...
+    assert render.desired_replicas(spec, decision, generation=4) == {"router": 1, "prefill": 3, "decode": 3}
+    # ...until the spec is edited (a newer generation): the edit wins until the next decision.
+    assert render.desired_replicas(spec, decision, generation=5) == {"router": 1, "prefill": 1, "decode": 2}
+    disabled = spec_of(autoscaling={"mode": "Disabled"})
+    assert render.desired_replicas(disabled, decision, 4) == {"router": 1, "prefill": 1, "decode": 2}
+    hpa = spec_of(autoscaling={"mode": "HPA"})
+    assert render.desired_replicas(hpa) == {"router": 1, "prefill": None, "decode": None}
