@@ -73,8 +73,10 @@ def error_message(status: int, body: bytes) -> str:
     return f"HTTP {status}: {text[:300]}"
 
 
-async def served_models(client: httpx.AsyncClient, base_url: str, headers: Mapping[str, str] | None = None) -> list[str]:
-    """The model ids /v1/models lists; BenchError if the server cannot be asked."""
+async def served_models(
+    client: httpx.AsyncClient, base_url: str, headers: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """Model id -> owned_by, as /v1/models lists them; BenchError if the server cannot be asked."""
     url = base_url + "/v1/models"
     try:
         resp = await client.get(url, headers=dict(headers or {}))
@@ -83,17 +85,16 @@ async def served_models(client: httpx.AsyncClient, base_url: str, headers: Mappi
     if resp.status_code != 200:
         raise BenchError(f"{url} answered {error_message(resp.status_code, resp.content)}")
     try:
-        data = resp.json()["data"]
-        return [m["id"] for m in data]
+        return {m["id"]: str(m.get("owned_by", "")) for m in resp.json()["data"]}
     except (ValueError, KeyError, TypeError):
         raise BenchError(f"{url} did not return an OpenAI model list: {resp.text[:200]!r}") from None
 
 
-def choose_model(served: list[str], wanted: str | None, base_url: str) -> str:
+def choose_model(served: Mapping[str, str], wanted: str | None, base_url: str) -> str:
     if wanted is None:
         if len(served) == 1:
-            return served[0]
-        raise BenchError(f"{base_url} serves {served or 'no models'}; pick one with --model")
+            return next(iter(served))
+        raise BenchError(f"{base_url} serves {', '.join(served) or 'no models'}; pick one with --model")
     if wanted not in served:
         raise BenchError(f"model {wanted!r} is not served by {base_url}; it serves: {', '.join(served) or 'nothing'}")
     return wanted

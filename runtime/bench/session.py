@@ -29,7 +29,7 @@ from .workload import (
     trace_workload,
 )
 
-# Where a phasesplit server publishes the tokenizer.json of the model it serves.
+# A server may publish its model's tokenizer.json here (asked first when --tokenizer is not given).
 SERVER_TOKENIZER_PATH = "/v1/tokenizer.json"
 
 
@@ -68,16 +68,35 @@ def load_local_tokenizer(spec: str) -> HFTokenizer:
     raise WorkloadError(f"--tokenizer {spec}: expected a tokenizer.json file, a folder with one, or a .gguf file")
 
 
-async def fetch_server_tokenizer(client: httpx.AsyncClient, base_url: str, headers: dict) -> HFTokenizer:
+def builtin_tokenizer(model: str, owner: str) -> HFTokenizer | None:
+    """A phasesplit server's bundled model: the same tokenizer, read locally by the runtime's loader."""
+    if owner != "phasesplit":
+        return None
+    try:
+        from phasesplit.runtime.model.loader import BUILTIN_MODELS
+    except ImportError:
+        return None
+    key = next((k for k, (_, _, served) in BUILTIN_MODELS.items() if served == model), None)
+    return load_local_tokenizer(key) if key else None
+
+
+async def server_tokenizer(client: httpx.AsyncClient, base_url: str, headers: dict, model: str,
+                           owner: str) -> HFTokenizer:
+    """The served model's tokenizer without --tokenizer: published by the server, or, for
+    phasesplit's bundled model, read from the local copy of the same model. No other network."""
     url = base_url + SERVER_TOKENIZER_PATH
-    hint = "pass --tokenizer PATH/tokenizer.json (the served model's own tokenizer)"
     try:
         resp = await client.get(url, headers=headers)
+        if resp.status_code == 200:
+            return HFTokenizer.from_json(resp.text)
+        why = f"{url} answered {resp.status_code}"
     except httpx.HTTPError as e:
-        raise BenchError(f"cannot fetch the tokenizer from {url}: {e}; {hint}") from None
-    if resp.status_code != 200:
-        raise BenchError(f"{base_url} does not publish its tokenizer ({url} answered {resp.status_code}); {hint}")
-    return HFTokenizer.from_json(resp.text)
+        why = f"cannot fetch {url}: {e}"
+    local = builtin_tokenizer(model, owner)
+    if local is not None:
+        return local
+    raise BenchError(f"no tokenizer for {model!r} ({why}); pass --tokenizer PATH/tokenizer.json, "
+                     "the served model's own tokenizer, to build prompts of exact length")
 
 
 def build_specs(args: argparse.Namespace, seed: int) -> tuple[list[RequestSpec], str]:
@@ -143,14 +162,15 @@ async def _run(args: argparse.Namespace, doc: dict, api_key: str | None) -> int:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     timeout = httpx.Timeout(args.timeout, connect=10.0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        model = choose_model(await served_models(client, base, headers), args.model, base)
+        served = await served_models(client, base, headers)
+        model = choose_model(served, args.model, base)
         doc["target"].update(url=base, model=model)
         label = args.label or model
         doc["label"] = label
 
         specs, kind = build_specs(args, args.seed)
         tok = load_local_tokenizer(args.tokenizer) if args.tokenizer else \
-            await fetch_server_tokenizer(client, base, headers)
+            await server_tokenizer(client, base, headers, model, served[model])
         builder = PromptBuilder(tok, args.seed)
 
         extra: dict = {"stream_options": {"include_usage": True}}
