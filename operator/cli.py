@@ -30,11 +30,12 @@ def run(args: argparse.Namespace) -> int:
 
     import kopf
 
-    from phasesplit.operator import handlers  # noqa: F401  (registers the handlers)
+    from phasesplit.operator import handlers  # registers the handlers on import
 
     kopf.configure(verbose=args.log_level == "debug", debug=args.log_level == "debug")
     logging.getLogger().setLevel(args.log_level.upper())
     asyncio.run(kopf.operator(
+        settings=handlers.settings(namespaced=bool(args.namespace)),
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         liveness_endpoint=args.liveness or None,

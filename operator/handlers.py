@@ -88,18 +88,26 @@ def _deployments(index: kopf.Index, owner: Owner) -> dict[str, dict[str, int]]:
 # startup
 
 
-@kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+def settings(namespaced: bool) -> kopf.OperatorSettings:
+    """kopf settings for this operator (passed to kopf.operator by the CLI)."""
+    out = kopf.OperatorSettings()
     # kopf's own bookkeeping goes into annotations under our group; the status stays ours.
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+    out.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
+    out.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=api.GROUP, key="last-handled-configuration")
-    settings.persistence.finalizer = f"{api.GROUP}/finalizer"
+    out.persistence.finalizer = f"{api.GROUP}/finalizer"
     # Our Events are explicit (Created/Updated/...); kopf's per-handler chatter stays in the log.
-    settings.posting.level = logging.WARNING
-    settings.peering.standalone = True
-    settings.watching.server_timeout = 300
-    settings.watching.client_timeout = 330
+    out.posting.level = logging.WARNING
+    out.peering.standalone = True
+    out.watching.server_timeout = 300
+    out.watching.client_timeout = 330
+    # Watching given namespaces needs no cluster-wide namespace/CRD scans (nor their permissions).
+    out.scanning.disabled = namespaced
+    return out
+
+
+@kopf.on.startup()
+def connect(**_: Any) -> None:
     _kube["client"] = Kube(reconcile.api_client())
 
 
