@@ -44,6 +44,10 @@ CHILD_RESOURCES = [
 ]
 
 _kube: dict[str, Kube] = {}
+# The status this process last wrote, per (namespace, name, uid). The index's copy lags behind our
+# own writes (it is updated by the watch), and a stale copy would put back an older
+# observedGeneration or reset condition transition times.
+_written: dict[tuple[str, str, str], dict[str, Any]] = {}
 _locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
 _locks_guard = threading.Lock()
 
@@ -74,6 +78,17 @@ def _replicas(spec: api.InferenceServiceSpec, status: Mapping[str, Any] | None,
     decision = ((status or {}).get("autoscaling") or {}).get("lastDecision")
     parsed = api.Decision.model_validate(decision) if decision else None
     return render.desired_replicas(spec, parsed, generation)
+
+
+def _write_status(owner: Owner, spec: api.InferenceServiceSpec, index: kopf.Index,
+                  seen: Mapping[str, Any], generation: int | None = None, error: str | None = None) -> None:
+    """Status from the Deployment index; generation None keeps the last observedGeneration."""
+    key = (owner.namespace, owner.name, owner.uid)
+    current = _written.get(key) or copy.deepcopy(dict(seen))
+    if generation is None:
+        generation = current.get("observedGeneration")
+    _written[key] = reconcile.sync_status(kube(), owner, spec, _deployments(index, owner), current, _now(),
+                                          generation, error)
 
 
 def _deployments(index: kopf.Index, owner: Owner) -> dict[str, dict[str, int]]:
@@ -166,16 +181,15 @@ def reconcile_service(body: kopf.Body, meta: kopf.Meta, namespace: str, name: st
             reconcile.sync_children(kube(), owner, spec, replicas, emit)
         except ApiException as e:
             reason = f"{e.status} {e.reason}: {reconcile._message(e)}"
-            reconcile.sync_status(kube(), owner, spec, _deployments(deployments_by_owner, owner), current,
-                                  _now(), current.get("observedGeneration"), error=reason)
+            _write_status(owner, spec, deployments_by_owner, current, error=reason)
             raise kopf.TemporaryError(f"apply failed: {reason}", delay=5) from e
-        reconcile.sync_status(kube(), owner, spec, _deployments(deployments_by_owner, owner), current,
-                              _now(), meta.get("generation"))
+        _write_status(owner, spec, deployments_by_owner, current, generation=meta.get("generation"))
         logger.info("reconciled generation %s", meta.get("generation"))
 
 
 @kopf.on.delete(*RESOURCE, optional=True)
-def service_deleted(name: str, logger: logging.Logger, **_: Any) -> None:
+def service_deleted(namespace: str, name: str, uid: str, logger: logging.Logger, **_: Any) -> None:
+    _written.pop((namespace, name, uid), None)
     # No finalizer: owner references let the garbage collector remove every child.
     logger.info("InferenceService %s deleted; its children go with it (owner references)", name)
 
@@ -216,8 +230,7 @@ def on_child_event(event: Mapping[str, Any], body: kopf.Body, namespace: str, na
         if outcome != "unchanged":
             logger.info("%s %s: %s", kind, name, outcome)
         if kind == "Deployment":
-            reconcile.sync_status(kube(), owner, spec, _deployments(deployments_by_owner, owner), status_now,
-                                  _now(), status_now.get("observedGeneration"))
+            _write_status(owner, spec, deployments_by_owner, status_now)
 
 
 def _register_children() -> None:

@@ -182,13 +182,12 @@ def sync_child(kube: Kube, owner: Owner, spec: api.InferenceServiceSpec, replica
 
 def sync_status(kube: Kube, owner: Owner, spec: api.InferenceServiceSpec,
                 deployments: Mapping[str, Mapping[str, int]], current: Mapping[str, Any] | None,
-                now: str, observed_generation: int | None, error: str | None = None) -> bool:
-    """Write the computed status if it differs from the current one; True when written."""
+                now: str, observed_generation: int | None, error: str | None = None) -> dict[str, Any]:
+    """Write the computed status if it differs from `current`; returns the status now in place."""
     new = status.compute_status(owner, spec, deployments, current, now, observed_generation, error)
-    if status.same_status(current, new):
-        return False
-    kube.patch_status(owner.namespace, owner.name, new)
-    return True
+    if not status.same_status(current, new):
+        kube.patch_status(owner.namespace, owner.name, new)
+    return {**(current or {}), **new}
 
 
 def _message(e: ApiException) -> str:

@@ -140,10 +140,14 @@ def test_sync_status_writes_only_changes():
     spec = spec_of()
     deps = {c: {"desired": 1, "replicas": 1, "ready": 1, "updated": 1, "generation": 1, "observedGeneration": 1}
             for c in api.COMPONENTS}
-    assert reconcile.sync_status(kube, OWNER, spec, deps, None, "2026-01-01T00:00:00Z", 1)
-    current = kube.statuses[-1]
-    assert not reconcile.sync_status(kube, OWNER, spec, deps, current, "2026-01-01T00:05:00Z", 1)
-    assert len(kube.statuses) == 1
+    first = reconcile.sync_status(kube, OWNER, spec, deps, None, "2026-01-01T00:00:00Z", 1)
+    assert kube.statuses == [first]
+    planner_owned = {**first, "autoscaling": {"mode": "Planner"}}
+    again = reconcile.sync_status(kube, OWNER, spec, deps, planner_owned, "2026-01-01T00:05:00Z", 1)
+    assert len(kube.statuses) == 1  # nothing changed: no write
+    assert again["autoscaling"] == {"mode": "Planner"}  # fields it does not own are kept
+    reconcile.sync_status(kube, OWNER, spec, deps, again, "2026-01-01T00:06:00Z", 2)
+    assert kube.statuses[-1]["observedGeneration"] == 2
 
 
 def test_api_error_message_is_extracted():

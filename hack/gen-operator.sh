@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Regenerates the operator's derived files; unit and cluster tests fail when they are stale.
+#   crds/serving.phasesplit.io_inferenceservices.yaml (+ the chart's copy)  from operator/api.py
+#   manifests/install.yaml                                                   from charts/phasesplit
+# Needs helm: $HELM, else helm on PATH, else the one hack/kube-tools.sh built.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cache=${PHASESPLIT_CACHE:-$HOME/.cache/phasesplit}
+cd "$root"
+"$cache/venv/bin/python" -m phasesplit.operator.crdgen --write
+helm=${HELM:-$(command -v helm || ls -1 "$cache"/kube/*/bin/helm 2>/dev/null | tail -n 1 || true)}
+[[ -x $helm ]] || { echo "helm not found (set HELM=...)" >&2; exit 1; }
+{
+  echo "# The phasesplit operator: CRD, RBAC and Deployment in namespace phasesplit-system."
+  echo "# Rendered from charts/phasesplit by hack/gen-operator.sh. Do not edit."
+  echo "#   kubectl apply --server-side -f manifests/install.yaml"
+  echo "---"
+  echo "apiVersion: v1"
+  echo "kind: Namespace"
+  echo "metadata:"
+  echo "  name: phasesplit-system"
+  "$helm" template phasesplit charts/phasesplit --namespace phasesplit-system --include-crds
+} > manifests/install.yaml
+echo "wrote manifests/install.yaml"
