@@ -183,6 +183,9 @@ async def stream_one(
                         r.output_tokens = int(usage["completion_tokens"])
                     if usage.get("prompt_tokens") is not None:
                         r.server_prompt_tokens = int(usage["prompt_tokens"])
+                    details = usage.get("prompt_tokens_details")
+                    if isinstance(details, dict) and details.get("cached_tokens") is not None:
+                        r.cached_tokens = int(details["cached_tokens"])
                 timing = _parse_timing(obj.get("phasesplit_timing"))
                 if timing:
                     r.phase_timing = timing

@@ -37,6 +37,7 @@ class RequestResult:
     chunk_times_s: list[float] = field(default_factory=list)
     output_tokens: int = 0  # usage.completion_tokens when the server reports it, else chunks
     server_prompt_tokens: int | None = None  # usage.prompt_tokens when reported
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens (prefix-cache hits)
     phase_timing: dict[str, float] | None = None  # seconds per phase, when the server reports it
 
     def to_dict(self) -> dict:
@@ -204,6 +205,8 @@ def summarize(
         "prompt_len_mismatches": sum(
             1 for r in ok if r.server_prompt_tokens is not None and r.server_prompt_tokens != r.prompt_len
         ),
+        # Prompt tokens the server took from its prefix cache, where it says so.
+        "cached_prompt_tokens": sum(r.cached_tokens or 0 for r in ok),
     }
     errors: dict[str, int] = {}
     for r in results:

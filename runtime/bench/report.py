@@ -68,6 +68,8 @@ def format_summary(s: Mapping, title: str) -> str:
         lines.append(" Server-reported phases (mean) ".center(w + 12, "-"))
         for name, d in s["phases"].items():
             row(f"{name} (ms, share of E2EL):", f"{_ms(d['mean_s'])}  {d['mean_share'] * 100:.1f}%")
+    if s.get("cached_prompt_tokens"):
+        row("Prompt tokens served from prefix cache:", s["cached_prompt_tokens"])
     if s["short_outputs"]:
         lines.append(f"note: {s['short_outputs']} requests ended before max_tokens (the server may ignore ignore_eos)")
     if s["prompt_len_mismatches"]:
