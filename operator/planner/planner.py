@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass, field, replace
 
 from phasesplit.operator.planner.behavior import Behavior, PhaseLimiter, apply_ratio
 from phasesplit.operator.planner.model import DecodeProfile, PerfModel, PrefillProfile
-from phasesplit.operator.planner.queueing import replicas_for_ttft
+from phasesplit.operator.planner.queueing import replicas_for_ttft, service_quantile
 from phasesplit.operator.planner.snapshot import MetricsSnapshot
 
 PHASES = ("prefill", "decode")
@@ -29,7 +30,7 @@ class PlannerConfig:
     behavior: Behavior = Behavior()
     min_pd_ratio: float | None = None  # prefill replicas per decode replica, lower bound
     max_pd_ratio: float | None = None
-    interval_s: float = 30.0
+    interval_s: float = 15.0
     stale_after_s: float | None = None  # default: three intervals
     margin: float = 0.85  # size for this fraction of each target: room for noise and forecast error
     max_utilisation: float = 0.85  # prefill pool utilisation ceiling, whatever the queueing model says
@@ -38,6 +39,9 @@ class PlannerConfig:
     prompt_scv: float = 1.0  # squared CV of prompt length (production traces: ≈0.9)
     max_miss_factor: float = 2.0  # largest one-step multiplier on an observed SLO miss
     confirm_windows: int = 2  # consecutive windows a prediction-only scale-up must persist
+    startup_s: float = 60.0  # a new replica's time to ready; with the interval, the reaction time
+    surge_memory_s: float = 1800.0  # how long a seen surge keeps headroom in place
+    max_surge: float = 3.0
 
     @property
     def stale_after(self) -> float:
@@ -85,6 +89,35 @@ class Planner:
 
     def __post_init__(self) -> None:
         self.limiters = {p: PhaseLimiter(self.config.behavior) for p in PHASES}
+        self.rates: deque[tuple[float, float]] = deque()  # (time, request rate) for surge headroom
+
+    def surge(self, now: float, rate: float) -> tuple[float, float]:
+        """(planning rate, surge factor): headroom for load that can arrive before a new replica is up.
+
+        A reactive planner is always one reaction time (interval + start-up) behind. If the
+        recent past shows the rate multiplying within that time (flash crowds), capacity for
+        such a jump is kept, up to the highest rate seen in memory; a load that drifts slowly
+        (diurnal) shows no such jump and gets none. Rates are smoothed over two windows and
+        jumps within Poisson noise (3σ) ignored, so a steady load earns no headroom either.
+        """
+        cfg = self.config
+        self.rates.append((now, rate))
+        while self.rates and self.rates[0][0] < now - cfg.surge_memory_s:
+            self.rates.popleft()
+        pts = list(self.rates)
+        smooth = [(t, (r + pts[i - 1][1]) / 2 if i else r) for i, (t, r) in enumerate(pts)]
+        reaction = cfg.startup_s + cfg.interval_s
+        factor = 1.0
+        for j, (t2, r2) in enumerate(smooth):
+            for t1, r1 in smooth[:j]:
+                if t2 - t1 > reaction or r1 <= 0:
+                    continue
+                noise = 3 * math.sqrt(r1 / (2 * cfg.interval_s))
+                if r2 - r1 > noise:
+                    factor = max(factor, (r2 - noise) / r1)
+        factor = min(factor, cfg.max_surge)
+        peak = max(r for _, r in smooth)
+        return max(rate, min(rate * factor, peak)), factor
 
     def plan(self, snap: MetricsSnapshot | None, current: dict[str, int], now: float) -> Decision:
         cfg = self.config
@@ -92,26 +125,61 @@ class Planner:
         if snap is None or now - snap.timestamp > cfg.stale_after or snap.request_rate is None:
             return self._hold(snap, current, now, limits)
         self.stale_windows = 0
-        calibration = self.model.calibrate(snap, cfg.prompt_scv, cfg.kv_high)
+        # Calibrate on healthy windows only: in a window that missed, TTFT holds waits (for KV,
+        # behind a backlog) the model does not describe, and would teach it a wrong capacity.
+        healthy = (snap.ttft_p is None or snap.ttft_p <= cfg.ttft_s) and not any(self._bottlenecks(snap))
+        calibration = self.model.calibrate(snap, cfg.prompt_scv, cfg.kv_high) if healthy else []
 
-        rec_p, why_p, ttft_pred, ttft_ok = self._size_prefill(snap)
-        rec_d, why_d, itl_pred = self._size_decode(snap)
+        plan_rate, surge = self.surge(now, snap.request_rate)
+        sized = snap
+        if plan_rate > snap.request_rate:
+            # Size for the surge rate with the same per-request work.
+            k = plan_rate / snap.request_rate
+            sized = replace(snap, request_rate=plan_rate, prompt_token_rate=(snap.prompt_token_rate or 0) * k,
+                            generation_token_rate=(snap.generation_token_rate or 0) * k)
+        rec_p, why_p, ttft_pred, ttft_ok = self._size_prefill(sized)
+        rec_d, why_d, itl_pred = self._size_decode(sized)
+        if plan_rate > snap.request_rate:
+            note = f" (surge headroom ×{surge:.2f}: sized for {plan_rate:.1f} req/s)"
+            why_p += note
+            why_d += note
         urgent = {"prefill": False, "decode": False}
+        prefill_backlog, decode_bound = self._bottlenecks(snap)
+        # Queueing shows in the queues before it shows in TTFT (a request reaches the TTFT
+        # histogram only once its first token is out): a backlog the current replicas cannot
+        # clear within the wait budget, or requests blocked on decode KV, act like a miss.
+        # The model's sizing already includes draining that backlog; it is applied at once.
+        if prefill_backlog and rec_p > current["prefill"]:
+            urgent["prefill"] = True
+        if decode_bound and rec_d > current["decode"]:
+            urgent["decode"] = True
         # An SLO already missed beats any model: scale the phase responsible at once, in
         # proportion to the miss, from the replicas that were actually serving (replicas still
-        # starting are on their way; counting them again would overshoot).
-        if snap.ttft_p is not None and snap.ttft_p > cfg.ttft_s:
-            factor = min(snap.ttft_p / cfg.ttft_s, cfg.max_miss_factor)
-            decode_bound = (snap.decode_waiting or 0) > 0 or (snap.kv_usage or 0) >= cfg.kv_high
+        # starting are on their way; counting them again would overshoot). Only the queueing
+        # part of TTFT responds to replicas, so the miss is measured against the wait budget
+        # left after a long prompt's own service time; a miss that service time alone explains
+        # (the longest prompts of the window) buys nothing.
+        # An SLO already missed beats any model. TTFT covers every wait before the first token,
+        # so the miss goes to the phase whose queue explains it; with a queue in view the
+        # model's backlog sizing above already answers it, and the proportional rule is for a
+        # miss no queue explains (the model is off): scale prefill at once in proportion to it,
+        # from the replicas actually serving (those still starting are on their way). Only
+        # the queueing part of TTFT responds to replicas, so the miss is measured against the
+        # wait budget left after a long prompt's own service time; a miss that service time
+        # alone explains (the longest prompts of the window) buys nothing.
+        floor = self._prefill_floor(snap)
+        if (snap.ttft_p is not None and snap.ttft_p > cfg.ttft_s and cfg.ttft_s - floor > 0.2 * cfg.ttft_s
+                and not prefill_backlog):
+            factor = min((snap.ttft_p - floor) / (cfg.ttft_s - floor), cfg.max_miss_factor)
             phase = "decode" if decode_bound else "prefill"
             base = (snap.ready_decode if decode_bound else snap.ready_prefill) or current[phase]
             want = math.ceil(base * factor)
-            note = f"TTFT p{cfg.percentile * 100:g} {snap.ttft_p * 1000:.0f}ms > {cfg.ttft_s * 1000:.0f}ms" \
-                   + (" with KV full" if decode_bound else "")
+            why = (f"TTFT p{cfg.percentile * 100:g} {snap.ttft_p * 1000:.0f}ms > {cfg.ttft_s * 1000:.0f}ms"
+                   f"{' with KV full' if decode_bound else ''}: ×{factor:.2f}")
             if phase == "prefill" and want > rec_p:
-                rec_p, why_p, urgent["prefill"] = want, f"{note}: ×{factor:.2f}", True
+                rec_p, why_p, urgent["prefill"] = want, why, True
             elif phase == "decode" and want > rec_d:
-                rec_d, why_d, urgent["decode"] = want, f"{note}: ×{factor:.2f}", True
+                rec_d, why_d, urgent["decode"] = want, why, True
         if snap.itl_p is not None and snap.itl_p > cfg.itl_s:
             factor = min(snap.itl_p / cfg.itl_s, cfg.max_miss_factor)
             want = math.ceil((snap.ready_decode or current["decode"]) * factor)
@@ -152,6 +220,34 @@ class Planner:
             stale=False, predicted_ttft_s=ttft_pred, predicted_itl_s=itl_pred,
             conditions=tuple(conditions))
 
+    def _bottlenecks(self, snap: MetricsSnapshot) -> tuple[bool, bool]:
+        """(prefill backlogged, decode KV-bound) from the queues of the window's end.
+
+        In split mode a request holds its decode KV reservation while it queues for prefill, so
+        a full KV cache with a long prefill queue is a prefill problem; decode is to blame only
+        when its running requests alone fill the cache.
+        """
+        cfg, model = self.config, self.model
+        budget = max(cfg.ttft_s - self._prefill_floor(snap), 0.2 * cfg.ttft_s)
+        ready_p = snap.ready_prefill or 1
+        queue_wait = (snap.prefill_queue_tokens or 0.0) / (ready_p * model.prefill.tokens_per_s)
+        prefill_backlog = queue_wait > 0.5 * budget
+        isl, osl = snap.mean_prompt_tokens or 0.0, snap.mean_generated_tokens or 0.0
+        running_frac = ((snap.decode_running or 0.0) * (isl + osl)
+                        / ((snap.ready_decode or 1) * model.decode.kv_capacity_tokens))
+        full = (snap.decode_waiting or 0) > 0 or (snap.kv_usage or 0.0) >= cfg.kv_high
+        decode_bound = full and (not prefill_backlog or running_frac >= 1 - cfg.kv_headroom)
+        return prefill_backlog, decode_bound
+
+    def _prefill_floor(self, snap: MetricsSnapshot) -> float:
+        """TTFT at the SLO percentile with no queue at all: the service time of a long prompt."""
+        isl = snap.mean_prompt_tokens
+        if not isl:
+            return 0.0
+        prof = self.model.prefill
+        return prof.overhead_s + service_quantile(isl / prof.tokens_per_s, self.config.prompt_scv,
+                                                  self.config.percentile)
+
     def _size_prefill(self, snap: MetricsSnapshot) -> tuple[int, str, float | None, bool]:
         cfg, prof = self.config, self.model.prefill
         rate, isl = snap.request_rate or 0.0, snap.mean_prompt_tokens
@@ -174,7 +270,9 @@ class Planner:
         cfg, model = self.config, self.model
         rate = snap.request_rate or 0.0
         isl, osl = snap.mean_prompt_tokens, snap.mean_generated_tokens
-        running = (snap.decode_running or 0.0) + (snap.decode_waiting or 0.0)
+        running = snap.decode_running or 0.0
+        # Requests waiting for KV join over the next interval: extra arrivals, like prefill's backlog.
+        backlog_rate = (snap.decode_waiting or 0.0) / cfg.interval_s
         if rate <= 0 or isl is None or osl is None:
             if running > 0:
                 return max(cfg.decode.min_replicas, snap.ready_decode or 1), "requests still running", None
@@ -201,7 +299,7 @@ class Planner:
         for d in range(max(1, cfg.decode.min_replicas), cfg.decode.max_replicas + 1):
             step = model.step_time(per_replica, context)
             for _ in range(8):
-                concurrency = max(rate * osl * step, running)
+                concurrency = max((rate + backlog_rate) * osl * step, running)
                 step = model.step_time(concurrency / d, context)
             if concurrency / d <= per_replica and in_use / d <= usable:
                 break

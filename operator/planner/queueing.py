@@ -50,23 +50,73 @@ def wait_quantile(servers: int, arrival_rate: float, mean_service: float, servic
 
 
 def service_quantile(mean_service: float, service_scv: float, quantile: float) -> float:
-    """A conservative quantile of the service time from its mean and squared CV (normal tail)."""
-    z = NormalDist().inv_cdf(quantile)
-    return mean_service * (1.0 + z * math.sqrt(max(service_scv, 0.0)))
+    """Quantile of a lognormal service time with this mean and squared CV (prompt lengths in
+    production traces are close to lognormal)."""
+    if mean_service <= 0:
+        return 0.0
+    if service_scv <= 0:
+        return mean_service
+    sigma = math.sqrt(math.log1p(service_scv))
+    mu = math.log(mean_service) - sigma**2 / 2
+    return math.exp(mu + sigma * NormalDist().inv_cdf(quantile))
+
+
+def _lognormal_tail(mean: float, scv: float):
+    """x ↦ P(S > x) for a lognormal S with this mean and squared CV."""
+    if scv <= 0:
+        return lambda x: 1.0 if x < mean else 0.0
+    sigma = math.sqrt(math.log1p(scv))
+    mu = math.log(mean) - sigma**2 / 2
+    root2 = sigma * math.sqrt(2)
+    return lambda x: 1.0 if x <= 0 else 0.5 * math.erfc((math.log(x) - mu) / root2)
 
 
 def ttft_quantile(servers: int, arrival_rate: float, mean_tokens: float, tokens_per_s: float,
                   overhead_s: float, token_scv: float, quantile: float) -> float:
-    """Prefill TTFT at `quantile`: queueing wait plus the service of a long-ish prompt.
+    """Prefill TTFT at `quantile`: the quantile of wait + service, not the sum of two quantiles
+    (which overstates the tail, since a long wait and a long prompt rarely coincide).
 
-    Adding the two quantiles overestimates the quantile of their sum; the planner wants that
-    side of the error.
+    Wait: 0 with probability 1 - C, else exponential with the Allen-Cunneen mean. Service:
+    the fixed overhead plus a lognormal token time. The tail of the sum is integrated
+    numerically and inverted by bisection.
     """
-    mean_service = overhead_s + mean_tokens / tokens_per_s
-    # Overhead is fixed per request; only the token part varies, so the service SCV shrinks.
-    scv = token_scv * (mean_tokens / tokens_per_s) ** 2 / mean_service**2 if mean_service > 0 else 0.0
-    return (wait_quantile(servers, arrival_rate, mean_service, scv, quantile)
-            + service_quantile(mean_service, scv, quantile))
+    token_time = mean_tokens / tokens_per_s
+    mean_service = overhead_s + token_time
+    load = arrival_rate * mean_service
+    if load >= servers:
+        return math.inf
+    scv = token_scv * token_time**2 / mean_service**2 if mean_service > 0 else 0.0
+    p_wait = erlang_c(servers, load) if arrival_rate > 0 else 0.0
+    theta = (servers / mean_service - arrival_rate) * 2.0 / (1.0 + scv)
+    tail_s = _lognormal_tail(token_time, token_scv)
+
+    def tail(t: float) -> float:
+        x = t - overhead_s
+        direct = tail_s(x)
+        if p_wait <= 0:
+            return direct
+        steps = 64
+        h = max(x, 0.0) / steps
+        acc = 0.0
+        for k in range(steps + 1):  # ∫0^x P(S > x-w) θe^{-θw} dw, trapezoid
+            w = k * h
+            f = tail_s(x - w) * theta * math.exp(-theta * w)
+            acc += f if 0 < k < steps else f / 2
+        conv = acc * h + math.exp(-theta * max(x, 0.0))
+        return (1 - p_wait) * direct + p_wait * conv
+
+    target = 1.0 - quantile
+    lo, hi = overhead_s, overhead_s + service_quantile(token_time, token_scv, quantile) + \
+        (math.log(max(p_wait, target) / target) / theta if p_wait > target else 0.0) + 1e-6
+    while tail(hi) > target:
+        hi *= 2
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        if tail(mid) > target:
+            lo = mid
+        else:
+            hi = mid
+    return hi
 
 
 def replicas_for_ttft(arrival_rate: float, mean_tokens: float, tokens_per_s: float, overhead_s: float,
@@ -75,24 +125,26 @@ def replicas_for_ttft(arrival_rate: float, mean_tokens: float, tokens_per_s: flo
     """Fewest replicas (≤ limit) whose TTFT quantile meets target_s and utilisation ≤ max_utilisation.
 
     Returns (replicas, predicted TTFT quantile, reachable). When the service time of a long
-    prompt alone eats the target, no replica count meets it; scaling out still shortens the
+    prompt alone nears the target, no replica count meets it; scaling out still shortens the
     queue, so the count is sized for a queueing wait of a fifth of the target and `reachable`
     is False (the caller says so instead of running to the maximum).
     """
     mean_service = overhead_s + mean_tokens / tokens_per_s
-    scv = token_scv * (mean_tokens / tokens_per_s) ** 2 / mean_service**2 if mean_service > 0 else 0.0
-    fixed = service_quantile(mean_service, scv, quantile)
-    wait_budget = target_s - fixed
-    reachable = wait_budget >= 0.2 * target_s
-    if not reachable:
-        wait_budget = 0.2 * target_s
     load = arrival_rate * mean_service
     c = max(1, math.ceil(load / max_utilisation))
-    while c < limit and wait_quantile(c, arrival_rate, mean_service, scv, quantile) > wait_budget:
-        c += 1
+    floor = overhead_s + service_quantile(mean_tokens / tokens_per_s, token_scv, quantile)
+    if target_s - floor < 0.2 * target_s:
+        scv = token_scv * (mean_tokens / tokens_per_s) ** 2 / mean_service**2 if mean_service > 0 else 0.0
+        while c < limit and wait_quantile(c, arrival_rate, mean_service, scv, quantile) > 0.2 * target_s:
+            c += 1
+        c = min(c, limit)
+        return c, ttft_quantile(c, arrival_rate, mean_tokens, tokens_per_s, overhead_s, token_scv, quantile), False
     c = min(c, limit)
-    predicted = wait_quantile(c, arrival_rate, mean_service, scv, quantile) + fixed
-    return c, predicted, reachable and predicted <= target_s
+    predicted = ttft_quantile(c, arrival_rate, mean_tokens, tokens_per_s, overhead_s, token_scv, quantile)
+    while c < limit and predicted > target_s:
+        c += 1
+        predicted = ttft_quantile(c, arrival_rate, mean_tokens, tokens_per_s, overhead_s, token_scv, quantile)
+    return c, predicted, predicted <= target_s
 
 
 def mean_ttft(servers: int, arrival_rate: float, mean_tokens: float, tokens_per_s: float,

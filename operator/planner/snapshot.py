@@ -31,15 +31,25 @@ class MetricsSnapshot:
     slo_attainment: float | None = None  # fraction of the window's requests meeting both SLOs
     ready_prefill: int | None = None  # replicas that served the window (for calibration)
     ready_decode: int | None = None
+    # Per-request token means from the request-size histograms (sum/count deltas). Preferred
+    # over token rate ÷ request rate: while a phase is saturated its token counters advance at
+    # its capacity, not at demand, and the ratio understates the work per request just when
+    # the sizing matters most.
+    prompt_tokens_mean: float | None = None
+    generated_tokens_mean: float | None = None
 
     @property
     def mean_prompt_tokens(self) -> float | None:
+        if self.prompt_tokens_mean is not None:
+            return self.prompt_tokens_mean
         if not self.request_rate or self.prompt_token_rate is None:
             return None
         return self.prompt_token_rate / self.request_rate
 
     @property
     def mean_generated_tokens(self) -> float | None:
+        if self.generated_tokens_mean is not None:
+            return self.generated_tokens_mean
         if not self.request_rate or self.generation_token_rate is None:
             return None
         return self.generation_token_rate / self.request_rate

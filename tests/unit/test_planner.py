@@ -200,7 +200,8 @@ def test_scale_down_waits_for_the_window_and_uses_its_highest_recommendation():
 
 def test_no_flapping_on_noisy_steady_load():
     rng = random.Random(7)
-    planner = Planner(PlannerConfig(prefill=PhaseLimits(1, 20), decode=PhaseLimits(1, 20)), frozen_model())
+    cfg = PlannerConfig(interval_s=INTERVAL, prefill=PhaseLimits(1, 20), decode=PhaseLimits(1, 20))
+    planner = Planner(cfg, frozen_model())
     seq = [snap(t, rate=20.0 * rng.uniform(0.85, 1.15), isl=1000 * rng.uniform(0.9, 1.1))
            for t in range(0, 3600, 30)]
     out = run(planner, seq, {"prefill": 1, "decode": 1})

@@ -1,0 +1,157 @@
+"""From raw samples of every pod (two scrapes) to the planner's MetricsSnapshot. Pure.
+
+Which series answer which question follows the runtime's metric names (runtime/server/
+metrics.py): latency as the client sees it comes from the router (phase="router"), or from
+colocated workers (phase="both") when there is no router; work and queues from the phase that
+does the work.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from phasesplit.operator.metrics.histogram import Histogram
+from phasesplit.operator.planner.snapshot import MetricsSnapshot
+
+PREFIX = "phasesplit_"
+TTFT = PREFIX + "time_to_first_token_seconds"
+ITL = PREFIX + "inter_token_latency_seconds"
+E2E = PREFIX + "e2e_request_latency_seconds"
+PROMPT = PREFIX + "prompt_tokens_total"
+GENERATED = PREFIX + "generation_tokens_total"
+SUCCESS = PREFIX + "request_success_total"
+RUNNING = PREFIX + "num_requests_running"
+WAITING = PREFIX + "num_requests_waiting"
+KV_USAGE = PREFIX + "kv_cache_usage_perc"
+QUEUE_TOKENS = PREFIX + "prefill_queue_tokens"
+HISTOGRAMS = (TTFT, ITL, E2E)
+
+
+@dataclass
+class PodSample:
+    """One pod's page: counters/gauges by (name, phase) and histograms by (name, phase)."""
+
+    values: dict[tuple[str, str], float] = field(default_factory=dict)
+    histograms: dict[tuple[str, str], Histogram] = field(default_factory=dict)
+
+
+@dataclass
+class Scrape:
+    timestamp: float
+    pods: dict[str, PodSample]  # pod name → its samples
+
+
+def _phase_pods(scrape: Scrape, phase: str) -> list[PodSample]:
+    return [p for p in scrape.pods.values() if any(k[1] == phase for k in p.values)
+            or any(k[1] == phase for k in p.histograms)]
+
+
+def _hist_delta(prev: Scrape, cur: Scrape, name: str, phase: str) -> Histogram | None:
+    total = None
+    for pod, sample in cur.pods.items():
+        h = sample.histograms.get((name, phase))
+        if h is None:
+            continue
+        before = prev.pods.get(pod)
+        earlier = before.histograms.get((name, phase)) if before else None
+        # A pod new since the last scrape: all of its counts fall in this window.
+        delta = h.minus(earlier) if earlier is not None else h
+        total = delta if total is None else total.add(delta)
+    return total
+
+
+def _counter_delta(prev: Scrape, cur: Scrape, name: str, phase: str) -> float | None:
+    total, seen = 0.0, False
+    for pod, sample in cur.pods.items():
+        v = sample.values.get((name, phase))
+        if v is None:
+            continue
+        seen = True
+        before = prev.pods.get(pod)
+        old = before.values.get((name, phase)) if before else None
+        total += v - old if old is not None and v >= old else v
+    return total if seen else None
+
+
+def _gauge(cur: Scrape, name: str, phase: str, how: str = "sum") -> float | None:
+    vals = [s.values[(name, phase)] for s in cur.pods.values() if (name, phase) in s.values]
+    if not vals:
+        return None
+    return sum(vals) if how == "sum" else sum(vals) / len(vals)
+
+
+def _first(*phases_and_values):
+    for v in phases_and_values:
+        if v is not None:
+            return v
+    return None
+
+
+def snapshot(prev: Scrape, cur: Scrape, percentile: float) -> MetricsSnapshot:
+    window = cur.timestamp - prev.timestamp
+    if window <= 0:
+        raise ValueError("scrapes out of order")
+    front = "router" if _phase_pods(cur, "router") else "both"
+    prefill = "prefill" if _phase_pods(cur, "prefill") else "both"
+    decode = "decode" if _phase_pods(cur, "decode") else "both"
+    ttft = _hist_delta(prev, cur, TTFT, front)
+    itl = _hist_delta(prev, cur, ITL, front)
+    first_tokens = ttft.count if ttft is not None else None
+    prompt = _counter_delta(prev, cur, PROMPT, prefill)
+    generated = _counter_delta(prev, cur, GENERATED, decode)
+    finished = _counter_delta(prev, cur, SUCCESS, front)
+    if finished is None:
+        finished = _counter_delta(prev, cur, SUCCESS, decode)
+    # Requests per second: first tokens seen at the front end. Requests still queued show up
+    # in the queue gauges instead, which the planner reads as backlog.
+    rate = first_tokens / window if first_tokens is not None else None
+    return MetricsSnapshot(
+        timestamp=cur.timestamp,
+        window_s=window,
+        request_rate=rate,
+        prompt_token_rate=prompt / window if prompt is not None else None,
+        generation_token_rate=generated / window if generated is not None else None,
+        ttft_p=ttft.quantile(percentile) if ttft else None,
+        ttft_mean=ttft.mean() if ttft else None,
+        itl_p=itl.quantile(percentile) if itl else None,
+        itl_mean=itl.mean() if itl else None,
+        prefill_queue_tokens=_gauge(cur, QUEUE_TOKENS, prefill),
+        prefill_waiting=_gauge(cur, WAITING, prefill) if prefill != decode else None,
+        decode_running=_gauge(cur, RUNNING, decode),
+        decode_waiting=_gauge(cur, WAITING, decode),
+        kv_usage=_gauge(cur, KV_USAGE, decode, "mean"),
+        ready_prefill=len(_phase_pods(cur, prefill)) or None,
+        ready_decode=len(_phase_pods(cur, decode)) or None,
+        # Prompt tokens are counted when the first token is out (runtime/server/metrics.py), so
+        # per first token they give the mean prompt; output tokens per finished request.
+        prompt_tokens_mean=prompt / first_tokens if prompt is not None and first_tokens else None,
+        generated_tokens_mean=generated / finished if generated is not None and finished else None,
+    )
+
+
+def merge_families(families, pod: str) -> PodSample:
+    """prometheus_client.parser families → one PodSample (only phasesplit_ series)."""
+    out = PodSample()
+    hist: dict[tuple[str, str], Histogram] = defaultdict(Histogram)
+    for fam in families:
+        for s in fam.samples:
+            if not s.name.startswith(PREFIX):
+                continue
+            phase = s.labels.get("phase", "")
+            if fam.type == "histogram":
+                h = hist[(fam.name, phase)]
+                if s.name.endswith("_bucket"):
+                    le = float(s.labels["le"])
+                    h.buckets[le] = h.buckets.get(le, 0.0) + s.value
+                elif s.name.endswith("_sum"):
+                    h.total += s.value
+                elif s.name.endswith("_count"):
+                    h.count += s.value
+            elif fam.type in ("counter", "gauge", "unknown"):
+                if s.name.endswith("_created"):
+                    continue
+                key = (s.name, phase)
+                out.values[key] = out.values.get(key, 0.0) + s.value
+    out.histograms = dict(hist)
+    return out
