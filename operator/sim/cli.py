@@ -1,0 +1,170 @@
+"""`phasesplit sim`: replay a workload through the autoscaler in simulated time.
+
+Imports only argparse and the standard library at module level (runtime/cli.py loads every
+plug-in to build its parser; heavy imports stay inside run()).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+ATTRIBUTION = ("Trace: Azure LLM inference trace 2023 (Azure Public Dataset, CC BY 4.0); Patel et al., "
+               "\"Splitwise: Efficient generative LLM inference using phase splitting\", ISCA 2024.")
+
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m)?\s*$")
+
+
+def parse_duration(text: str) -> float:
+    m = _DURATION.match(text)
+    if not m or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (use e.g. 500ms, 2s, 10m)")
+    return float(m.group(1)) * {"ms": 1e-3, "s": 1.0, "m": 60.0, None: 1.0}[m.group(2)]
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    """'ttft=500ms,itl=50ms' (the bench tool's syntax; a bare number is milliseconds)."""
+    out = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip().lower()
+        if not sep or key not in ("ttft", "itl"):
+            raise argparse.ArgumentTypeError(f"bad SLO {part.strip()!r}: use ttft=DURATION,itl=DURATION")
+        v = value.strip()
+        out[key] = parse_duration(v) if v[-1:].isalpha() else parse_duration(v + "ms")
+    if set(out) != {"ttft", "itl"}:
+        raise argparse.ArgumentTypeError("give both: --slo ttft=500ms,itl=50ms")
+    return out
+
+
+def _pair(text: str) -> tuple[int, int]:
+    try:
+        p, d = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not PREFILL,DECODE: {text!r}") from None
+    if p < 1 or d < 1:
+        raise argparse.ArgumentTypeError("replica counts must be ≥ 1")
+    return p, d
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", default="steady",
+                   help="steady | bursty | diurnal | shift | a trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens)")
+    p.add_argument("--policy", choices=("planner", "static", "hpa-queue"), default="planner")
+    p.add_argument("--slo", type=parse_slo, default=parse_slo("ttft=500ms,itl=50ms"),
+                   help="per-request targets, e.g. ttft=500ms,itl=50ms (ITL: the request's mean gap)")
+    p.add_argument("--percentile", type=float, default=0.95, help="SLO percentile the planner sizes for")
+    p.add_argument("--duration", type=parse_duration, default=None,
+                   help="simulated time (generated default 1h; a trace: all of it)")
+    p.add_argument("--rate", type=float, default=20.0, help="mean requests/s of generated workloads")
+    p.add_argument("--time-scale", type=float, default=1.0, help="trace: compress time by this factor")
+    p.add_argument("--token-scale", type=float, default=1.0, help="trace: multiply token counts")
+    p.add_argument("--profile", default="a100-8b",
+                   help="per-replica performance: a100-8b, cpu-smollm2, or a JSON file (see docs/autoscaling.md)")
+    p.add_argument("--prior-scale", type=float, default=1.0,
+                   help="planner: start from a profile this many times too optimistic (calibration test)")
+    p.add_argument("--interval", type=parse_duration, default=15.0, help="planner interval")
+    p.add_argument("--max-replicas", type=int, default=32, help="per phase")
+    p.add_argument("--static", type=_pair, default=None, metavar="P,D",
+                   help="--policy static: these counts instead of the searched best")
+    p.add_argument("--hpa-target", type=float, default=2.0, help="hpa-queue: waiting requests per pod")
+    p.add_argument("--no-baselines", dest="baselines", action="store_false",
+                   help="only the chosen policy (default: also best static and hpa-queue)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="load, replicas per phase, TTFT and ITL over time")
+
+
+def run(args: argparse.Namespace) -> int:
+    from phasesplit.operator.sim.policies import HpaQueuePolicy, StaticPolicy, make_planner
+    from phasesplit.operator.sim.profile import load_profile
+    from phasesplit.operator.sim.report import (
+        Setup,
+        best_static,
+        initial_counts,
+        plot,
+        simulate,
+        summarize,
+        table,
+    )
+    from phasesplit.operator.sim.workload import GENERATED, generate, read_trace
+
+    try:
+        profile = load_profile(args.profile)
+    except (OSError, ValueError) as e:
+        print(f"phasesplit sim: profile {args.profile!r}: {e}", file=sys.stderr)
+        return 2
+    is_trace = args.workload not in GENERATED
+    if is_trace:
+        if not os.path.exists(args.workload):
+            print(f"phasesplit sim: workload {args.workload!r} is neither {', '.join(GENERATED)} nor a file",
+                  file=sys.stderr)
+            return 2
+        try:
+            requests = read_trace(args.workload, args.time_scale, args.token_scale, args.duration)
+        except (OSError, ValueError) as e:
+            print(f"phasesplit sim: {e}", file=sys.stderr)
+            return 2
+        duration = args.duration or (requests[-1].arrival if requests else 0.0)
+        name = os.path.basename(args.workload)
+    else:
+        duration = args.duration or 3600.0
+        requests = generate(args.workload, duration, args.rate, args.seed)
+        name = args.workload
+    ttft, itl = args.slo["ttft"], args.slo["itl"]
+    setup = Setup(requests, profile, ttft, itl, args.percentile, duration)
+
+    def new_planner():
+        return make_planner(profile, ttft, itl, args.percentile, args.max_replicas, args.interval, args.prior_scale)
+
+    start = initial_counts(setup, new_planner().planner)
+    results, sims = {}, {}
+    policy = new_planner()
+    sims["planner"] = simulate(setup, policy, start, args.interval)
+    results["planner"] = summarize(sims["planner"], "planner", name)
+    reference = results["planner"]["attainment"]
+    if args.policy == "static" and args.static:
+        p, d = args.static
+        sim = simulate(setup, StaticPolicy(p, d), {"prefill": p, "decode": d}, args.interval)
+        results["static"] = summarize(sim, "static", name)
+        results["static"]["static_replicas"] = {"prefill": p, "decode": d}
+        sims["static"] = sim
+    elif args.policy == "static" or args.baselines:
+        summary, sim, runs = best_static(setup, reference, args.max_replicas, args.interval)
+        summary["workload"] = name
+        summary["search"] = {"reference_attainment": reference, "runs": runs}
+        results["static"], sims["static"] = summary, sim
+    if args.policy == "hpa-queue" or args.baselines:
+        sim = simulate(setup, HpaQueuePolicy(args.hpa_target, args.max_replicas), start, 15.0)
+        results["hpa-queue"] = summarize(sim, "hpa-queue", name)
+        sims["hpa-queue"] = sim
+    chosen = dict(results[args.policy])
+    chosen["slo"] = {"ttft_s": ttft, "itl_s": itl}
+    chosen["profile"] = args.profile
+    chosen["duration_s"] = duration
+    if is_trace:
+        chosen["scale"] = {"time": args.time_scale, "tokens": args.token_scale}
+        chosen["attribution"] = ATTRIBUTION
+    others = {k: v for k, v in results.items() if k != args.policy}
+    if others:
+        chosen["baselines"] = others
+    if args.plot:
+        plot(args.plot, sims, f"{name}: {', '.join(sims)} (SLO TTFT {ttft * 1000:.0f} ms, ITL {itl * 1000:.0f} ms)",
+             ttft, itl)
+    if args.json:
+        print(json.dumps(chosen, indent=None))
+    else:
+        print(f"workload {name}: {len(requests)} requests over {duration:.0f} s; profile {args.profile}; "
+              f"SLO TTFT {ttft * 1000:.0f} ms, ITL {itl * 1000:.0f} ms (both met = attained)")
+        print(table([results[k] for k in ("planner", "static", "hpa-queue") if k in results]))
+        if "static" in results and "search" in results["static"]:
+            s = results["static"]["search"]
+            print(f"static: cheapest fixed counts reaching the planner's attainment "
+                  f"({s['reference_attainment'] * 100:.1f}%), {s['runs']} runs searched")
+        if is_trace:
+            print(ATTRIBUTION)
+    return 0

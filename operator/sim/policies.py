@@ -1,0 +1,84 @@
+"""Scaling policies the simulator compares: the planner, static counts, and HPA on one queue metric."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from phasesplit.operator.planner import (
+    Behavior,
+    DecodeProfile,
+    PerfModel,
+    Planner,
+    PlannerConfig,
+    PrefillProfile,
+)
+from phasesplit.operator.planner.behavior import PhaseLimiter
+from phasesplit.operator.planner.snapshot import MetricsSnapshot
+from phasesplit.operator.sim.profile import SimProfile
+
+
+def planner_model(p: SimProfile, prior_scale: float = 1.0) -> PerfModel:
+    """The planner's prior from a profile; prior_scale ≠ 1 makes it wrong on purpose (the
+    planner must then calibrate its way to the truth from metrics)."""
+    return PerfModel(
+        PrefillProfile(tokens_per_s=p.prefill_tokens_per_s * prior_scale, overhead_s=p.prefill_overhead_s),
+        DecodeProfile(base_s=p.decode_base_s / prior_scale, per_seq_s=p.decode_per_seq_s / prior_scale,
+                      per_token_s=p.decode_per_token_s / prior_scale, max_batch=p.max_batch, layers=p.layers,
+                      kv_heads=p.kv_heads, head_dim=p.head_dim, dtype_bytes=p.dtype_bytes,
+                      kv_cache_bytes=p.kv_cache_bytes))
+
+
+@dataclass
+class PlannerPolicy:
+    planner: Planner
+    log: list[tuple[float, str]] = field(default_factory=list)
+
+    def __call__(self, snap: MetricsSnapshot, current: dict[str, int], now: float) -> dict[str, int]:
+        d = self.planner.plan(snap, current, now)
+        if d.changed:
+            self.log.append((now, d.reason))
+        return d.desired
+
+
+@dataclass
+class StaticPolicy:
+    prefill: int
+    decode: int
+
+    def __call__(self, snap: MetricsSnapshot, current: dict[str, int], now: float) -> dict[str, int]:
+        return {"prefill": self.prefill, "decode": self.decode}
+
+
+@dataclass
+class HpaQueuePolicy:
+    """What an autoscaling/v2 HPA does with one Pods metric per phase Deployment: the average
+    number of requests waiting per pod (prefill queue; decode requests blocked on KV), target
+    `target` per pod, 10 % tolerance, default behavior (5 min scale-down stabilization)."""
+
+    target: float
+    max_replicas: int
+    behavior: Behavior = field(default_factory=Behavior)
+    tolerance: float = 0.1
+
+    def __post_init__(self) -> None:
+        self.limiters = {p: PhaseLimiter(self.behavior) for p in ("prefill", "decode")}
+
+    def __call__(self, snap: MetricsSnapshot, current: dict[str, int], now: float) -> dict[str, int]:
+        out = {}
+        for phase, waiting in (("prefill", snap.prefill_waiting), ("decode", snap.decode_waiting)):
+            # Pods still starting report nothing; on scale-up the HPA counts them as 0, so the
+            # average is over all current pods and desired = ceil(total / target).
+            ratio = (waiting or 0.0) / current[phase] / self.target
+            rec = current[phase] if abs(ratio - 1) <= self.tolerance else math.ceil(current[phase] * ratio)
+            out[phase], _ = self.limiters[phase].apply(now, current[phase], rec, 1, self.max_replicas)
+        return out
+
+
+def make_planner(p: SimProfile, ttft: float, itl: float, percentile: float, max_replicas: int,
+                 interval: float, prior_scale: float = 1.0) -> PlannerPolicy:
+    from phasesplit.operator.planner.planner import PhaseLimits
+
+    cfg = PlannerConfig(ttft_s=ttft, itl_s=itl, percentile=percentile, interval_s=interval,
+                        prefill=PhaseLimits(1, max_replicas), decode=PhaseLimits(1, max_replicas))
+    return PlannerPolicy(Planner(cfg, planner_model(p, prior_scale)))
