@@ -19,6 +19,6 @@ helm=${HELM:-$(command -v helm || ls -1 "$cache"/kube/*/bin/helm 2>/dev/null | t
   echo "kind: Namespace"
   echo "metadata:"
   echo "  name: phasesplit-system"
-  "$helm" template phasesplit charts/phasesplit --namespace phasesplit-system --include-crds
+  "$helm" template phasesplit charts/phasesplit --namespace phasesplit-system --include-crds --kube-version 1.30.0
 } > manifests/install.yaml
 echo "wrote manifests/install.yaml"

@@ -198,8 +198,8 @@ def service_deleted(namespace: str, name: str, uid: str, logger: logging.Logger,
 # children
 
 
-def on_child_event(event: Mapping[str, Any], body: kopf.Body, namespace: str, name: str,
-                   labels: kopf.Labels, logger: logging.Logger, services_by_name: kopf.Index,
+def on_child_event(event: Mapping[str, Any], body: kopf.Body, resource: kopf.Resource, namespace: str,
+                   name: str, labels: kopf.Labels, logger: logging.Logger, services_by_name: kopf.Index,
                    deployments_by_owner: kopf.Index, **_: Any) -> None:
     instance = labels.get(render.INSTANCE_LABEL)
     refs = [r for r in body["metadata"].get("ownerReferences", []) if r.get("kind") == api.KIND]
@@ -208,7 +208,7 @@ def on_child_event(event: Mapping[str, Any], body: kopf.Body, namespace: str, na
     parents = list(services_by_name.get((namespace, instance), []))
     if not parents or parents[0]["metadata"]["uid"] != refs[0]["uid"]:
         return  # an orphan of an earlier incarnation: the garbage collector takes it
-    kind = body["kind"]
+    kind = resource.kind
     deleted = event.get("type") == "DELETED"
     with _lock(namespace, instance):
         parent = parents[0]

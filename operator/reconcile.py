@@ -116,7 +116,8 @@ class Kube:
 
     def patch_status(self, namespace: str, name: str, new_status: Mapping[str, Any]) -> None:
         self.custom.patch_namespaced_custom_object_status(
-            api.GROUP, api.VERSION, namespace, api.PLURAL, name, {"status": dict(new_status)})
+            api.GROUP, api.VERSION, namespace, api.PLURAL, name, {"status": dict(new_status)},
+            _content_type="application/merge-patch+json")
 
 
 def _describe(obj: Mapping[str, Any]) -> str:

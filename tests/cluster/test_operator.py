@@ -1,0 +1,434 @@
+"""The operator end to end on the real control plane (the issue's acceptance 1-5).
+
+The chart is installed with helm; its operator image cannot run here (no container runtime: kwok
+only pretends pods run), so the operator runs as a local process that authenticates with a
+TokenRequest token of the chart's ServiceAccount. Every API call it makes is therefore checked
+against the chart's RBAC: a permission the chart forgot fails these tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+from kubernetes import client
+
+from phasesplit.operator import api
+from tests.kubecluster import KubeCluster
+from tests.unit.test_operator_api import INVALID_SPECS, MINIMAL, merged
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "phasesplit"
+RELEASE, OPERATOR_NS = "phasesplit", "phasesplit-system"
+CHILD_SELECTOR = "app.kubernetes.io/managed-by=phasesplit-operator"
+T = TypeVar("T")
+
+
+def wait_until(what: str, probe: Callable[[], T | None], timeout: float = 90.0, interval: float = 0.25) -> T:
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+
+
+def isvc(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": {"name": name}, "spec": spec}
+
+
+class Operator:
+    """`phasesplit operator` as a local process with the chart ServiceAccount's credentials."""
+
+    def __init__(self, kubeconfig: Path, log: Path):
+        self.kubeconfig, self.log = kubeconfig, log
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.health = f"http://127.0.0.1:{port}/healthz"
+        env = dict(os.environ, KUBECONFIG=str(self.kubeconfig), PYTHONUNBUFFERED="1")
+        out = open(self.log, "a")
+        out.write(f"\n===== start {self.starts} =====\n")
+        out.flush()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "phasesplit.runtime.cli", "operator", "--liveness", self.health],
+            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        self.starts += 1
+        wait_until("the operator's liveness endpoint", self._live, timeout=60)
+
+    def _live(self) -> bool:
+        if self.proc.poll() is not None:
+            pytest.fail(f"the operator exited with {self.proc.returncode}:\n{self.tail()}")
+        try:
+            with urllib.request.urlopen(self.health, timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log.read_text().splitlines()[-lines:])
+
+
+@pytest.fixture(scope="module")
+def helm_release(kube_cluster: KubeCluster) -> Iterator[KubeCluster]:
+    helm = os.path.join(kube_cluster.bin_dir, "helm")
+    subprocess.run([helm, "uninstall", RELEASE, "-n", OPERATOR_NS, "--wait"], env=kube_cluster.env,
+                   capture_output=True, text=True)
+    out = subprocess.run([helm, "install", RELEASE, str(CHART), "-n", OPERATOR_NS, "--create-namespace"],
+                         env=kube_cluster.env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "kubectl apply -f" in out.stdout  # NOTES.txt tells how to apply a sample
+    yield kube_cluster
+    subprocess.run([helm, "uninstall", RELEASE, "-n", OPERATOR_NS, "--wait"], env=kube_cluster.env,
+                   capture_output=True, text=True, timeout=300)
+
+
+def _service_account_kubeconfig(cluster: KubeCluster, path: Path) -> Path:
+    """A kubeconfig holding only a TokenRequest token of the chart's ServiceAccount."""
+    core = client.CoreV1Api(cluster.api_client)
+    request = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
+        audiences=[], expiration_seconds=7200))
+    token = core.create_namespaced_service_account_token(RELEASE, OPERATOR_NS, request).status.token
+    admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
+    ctx = next(c for c in admin["contexts"] if c["name"] == admin["current-context"])["context"]
+    cluster_entry = next(c for c in admin["clusters"] if c["name"] == ctx["cluster"])
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "operator",
+        "clusters": [{"name": "local", "cluster": cluster_entry["cluster"]}],
+        "users": [{"name": "operator", "user": {"token": token}}],
+        "contexts": [{"name": "operator", "context": {"cluster": "local", "user": "operator"}}],
+    }))
+    return path
+
+
+@pytest.fixture(scope="module")
+def operator(helm_release: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
+    tmp = tmp_path_factory.mktemp("operator")
+    op = Operator(_service_account_kubeconfig(helm_release, tmp / "kubeconfig"), tmp / "operator.log")
+    op.start()
+    yield op
+    op.kill(signal.SIGTERM)
+    print(f"\n--- operator log tail ({op.log}) ---\n{op.tail(40)}")
+
+
+@pytest.fixture
+def namespace(kube_cluster: KubeCluster) -> Iterator[str]:
+    name = f"op-{uuid.uuid4().hex[:8]}"
+    core = client.CoreV1Api(kube_cluster.api_client)
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    wait_until(f"ServiceAccount {name}/default",
+               lambda: core.list_namespaced_service_account(name, field_selector="metadata.name=default").items)
+    yield name
+    core.delete_namespace(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# reading the cluster
+
+
+class View:
+    def __init__(self, cluster: KubeCluster, namespace: str):
+        self.cluster, self.ns = cluster, namespace
+        self.custom = client.CustomObjectsApi(cluster.api_client)
+        self.apps = client.AppsV1Api(cluster.api_client)
+        self.core = client.CoreV1Api(cluster.api_client)
+
+    def apply(self, obj: dict[str, Any]) -> None:
+        self.cluster.kubectl("apply", "-n", self.ns, "-f", "-", input=json.dumps(obj))
+
+    def get(self, name: str) -> dict[str, Any]:
+        return self.custom.get_namespaced_custom_object(api.GROUP, api.VERSION, self.ns, api.PLURAL, name)
+
+    def condition(self, name: str, kind: str = "Ready") -> dict[str, Any] | None:
+        conds = (self.get(name).get("status") or {}).get("conditions") or []
+        return next((c for c in conds if c["type"] == kind), None)
+
+    def ready(self, name: str) -> dict[str, Any] | None:
+        obj = self.get(name)
+        cond = self.condition(name)
+        if cond and cond["status"] == "True" and obj["status"].get("observedGeneration") == obj["metadata"]["generation"]:
+            return obj
+        return None
+
+    def wait_ready(self, name: str, timeout: float = 120) -> dict[str, Any]:
+        return wait_until(f"{self.ns}/{name} Ready (condition: {{}})", lambda: self.ready(name), timeout)
+
+    def children(self, instance: str | None = None) -> dict[tuple[str, str], dict[str, Any]]:
+        """Every object the operator manages in the namespace, as (kind, name) -> object."""
+        selector = CHILD_SELECTOR + (f",app.kubernetes.io/instance={instance}" if instance else "")
+        kinds = "deployments,services,serviceaccounts,roles,rolebindings,poddisruptionbudgets,networkpolicies," \
+                "horizontalpodautoscalers"
+        items = json.loads(self.cluster.kubectl("get", kinds, "-n", self.ns, "-l", selector, "-o", "json").stdout)
+        return {(i["kind"], i["metadata"]["name"]): i for i in items["items"]}
+
+    def deployment(self, name: str) -> client.V1Deployment:
+        return self.apps.read_namespaced_deployment(name, self.ns)
+
+    def events(self, name: str) -> list[str]:
+        evs = self.core.list_namespaced_event(self.ns, field_selector=f"involvedObject.name={name},"
+                                                                       f"involvedObject.kind={api.KIND}").items
+        return [e.reason for e in evs]
+
+
+def expected_children(name: str, hpa: bool = False) -> set[tuple[str, str]]:
+    out = {("ServiceAccount", f"{name}-router"), ("Role", f"{name}-router"), ("RoleBinding", f"{name}-router")}
+    out |= {(k, f"{name}-{c}") for k in ("Service", "Deployment", "PodDisruptionBudget") for c in api.COMPONENTS}
+    out |= {("NetworkPolicy", f"{name}-{p}") for p in api.PHASES}
+    if hpa:
+        out |= {("HorizontalPodAutoscaler", f"{name}-{p}") for p in api.PHASES}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. install
+
+
+def test_helm_installs_crd_rbac_and_operator(helm_release: KubeCluster, operator: Operator):
+    k = helm_release.kubectl
+    crd = json.loads(k("get", "crd", f"{api.PLURAL}.{api.GROUP}", "-o", "json").stdout)
+    assert any(c["type"] == "Established" and c["status"] == "True" for c in crd["status"]["conditions"])
+    assert k("get", "serviceaccount", RELEASE, "-n", OPERATOR_NS).returncode == 0
+    assert k("get", "clusterrole", RELEASE).returncode == 0
+    assert k("get", "clusterrolebinding", RELEASE).returncode == 0
+    dep = json.loads(k("get", "deployment", RELEASE, "-n", OPERATOR_NS, "-o", "json").stdout)
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == RELEASE
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    container = pod["containers"][0]
+    assert container["args"][0] == "operator" and container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    # The token really is the ServiceAccount's, and it is not an admin.
+    who = subprocess.run([os.path.join(helm_release.bin_dir, "kubectl"), "--kubeconfig", str(operator.kubeconfig),
+                          "auth", "can-i", "delete", "nodes"], capture_output=True, text=True)
+    assert who.stdout.strip() == "no"
+    explained = k("explain", "inferenceservice.spec.slo").stdout
+    assert "Time-to-first-token target" in explained and "percentile" in explained
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. samples
+
+
+@pytest.mark.parametrize("sample", ["smollm2", "gpu"])
+def test_sample_becomes_ready(operator: Operator, kube_cluster: KubeCluster, namespace: str, sample: str):
+    view = View(kube_cluster, namespace)
+    doc = yaml.safe_load((ROOT / "manifests" / "samples" / f"{sample}.yaml").read_text())
+    name, spec = doc["metadata"]["name"], api.InferenceServiceSpec.model_validate(doc["spec"])
+    t0 = time.monotonic()
+    view.apply(doc)
+    obj = view.wait_ready(name)
+    print(f"\n{sample}: Ready after {time.monotonic() - t0:.1f} s")
+    assert set(view.children(name)) == expected_children(name)
+    want = {"prefill": spec.prefill.replicas, "decode": spec.decode.replicas, "router": spec.router.replicas}
+    for component, replicas in want.items():
+        assert obj["status"][component] == {"replicas": replicas, "readyReplicas": replicas,
+                                            "desiredReplicas": replicas, "summary": f"{replicas}/{replicas}"}
+        dep = view.deployment(f"{name}-{component}")
+        assert dep.spec.replicas == replicas and dep.status.ready_replicas == replicas
+        container = dep.spec.template.spec.containers[0]
+        assert container.args[:2] == ["serve", f"--role={component}"]
+        if spec.decode.resources.limits and component in api.PHASES:
+            assert container.resources.limits["nvidia.com/gpu"] == "1"
+    assert obj["status"]["endpoint"] == f"http://{name}-router.{namespace}.svc"
+    conds = {c["type"]: c["status"] for c in obj["status"]["conditions"]}
+    assert conds == {"Ready": "True", "PrefillReady": "True", "DecodeReady": "True", "RouterReady": "True"}
+    # Pods really run (kwok) and were scheduled onto the fake GPU nodes.
+    pods = view.core.list_namespaced_pod(namespace, label_selector=f"app.kubernetes.io/instance={name}").items
+    assert len(pods) == sum(want.values())
+    assert all(p.status.phase == "Running" and p.spec.node_name.startswith("kwok-") for p in pods)
+    headless = view.core.read_namespaced_service(f"{name}-decode", namespace)
+    assert headless.spec.cluster_ip == "None" and [p.port for p in headless.spec.ports] == [8000, 9000]
+    table = kube_cluster.kubectl("get", "psvc", "-n", namespace).stdout.splitlines()
+    print("\n".join(table))
+    assert table[0].split() == ["NAME", "READY", "PREFILL", "DECODE", "ENDPOINT", "AGE"]
+    row = table[1].split()
+    assert row[:5] == [name, "True", f"{want['prefill']}/{want['prefill']}", f"{want['decode']}/{want['decode']}",
+                       obj["status"]["endpoint"]]
+    assert "Created" in view.events(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. updates, drift, deletion
+
+
+def test_updates_drift_and_deletion(operator: Operator, kube_cluster: KubeCluster, namespace: str):
+    view = View(kube_cluster, namespace)
+    name = "chat"
+    view.apply(isvc(name, MINIMAL))  # the issue's minimal object: 1 router, 1 prefill, 2 decode
+    obj = view.wait_ready(name)
+    assert [obj["status"][c]["summary"] for c in api.COMPONENTS] == ["1/1", "2/2", "1/1"]
+    assert obj["spec"]["autoscaling"]["mode"] == "Planner"  # defaults filled in by the API server
+
+    # Spec changes reach the children.
+    changed = merged(MINIMAL, {"decode": {"replicas": 3, "resources": {"limits": {"cpu": "2", "memory": "4Gi"}}},
+                               "runtime": {"image": "example.com/phasesplit/runtime:2"}})
+    view.apply(isvc(name, changed))
+    obj = view.wait_ready(name)
+    assert obj["status"]["decode"]["summary"] == "3/3"
+    decode = view.deployment(f"{name}-decode")
+    assert decode.spec.replicas == 3
+    assert decode.spec.template.spec.containers[0].resources.limits == {"cpu": "2", "memory": "4Gi"}
+    for component in api.COMPONENTS:
+        assert view.deployment(f"{name}-{component}").spec.template.spec.containers[0].image == \
+            "example.com/phasesplit/runtime:2"
+
+    # Hand edits are put back.
+    kube_cluster.kubectl("scale", "deployment", f"{name}-decode", "-n", namespace, "--replicas=5")
+    wait_until("decode replicas reverted to 3", lambda: view.deployment(f"{name}-decode").spec.replicas == 3)
+    kube_cluster.kubectl("set", "image", f"deployment/{name}-router", "runtime=evil:latest", "-n", namespace)
+    wait_until("router image reverted", lambda: view.deployment(f"{name}-router").spec.template.spec
+               .containers[0].image == "example.com/phasesplit/runtime:2")
+    kube_cluster.kubectl("label", "networkpolicy", f"{name}-decode", "-n", namespace,
+                         "app.kubernetes.io/component=hacked", "--overwrite")
+    wait_until("NetworkPolicy label reverted", lambda: view.children(name).get(
+        ("NetworkPolicy", f"{name}-decode"), {}).get("metadata", {}).get("labels", {})
+        .get("app.kubernetes.io/component") == "decode")
+
+    # Deleted children come back (with a new uid).
+    for kind, child in [("service", f"{name}-prefill"), ("deployment", f"{name}-router"),
+                        ("rolebinding", f"{name}-router")]:
+        old = json.loads(kube_cluster.kubectl("get", kind, child, "-n", namespace, "-o", "json").stdout)
+        kube_cluster.kubectl("delete", kind, child, "-n", namespace, "--wait=true")
+
+        def back(kind=kind, child=child, old=old):
+            got = kube_cluster.kubectl("get", kind, child, "-n", namespace, "-o", "json", check=False)
+            return got.returncode == 0 and json.loads(got.stdout)["metadata"]["uid"] != old["metadata"]["uid"]
+        wait_until(f"{kind} {child} recreated", back)
+    view.wait_ready(name)
+    reasons = view.events(name)
+    assert "Reverted" in reasons and "Recreated" in reasons and "Updated" in reasons
+
+    # HPA mode: autoscalers appear, and the replicas of the phase Deployments are theirs to set.
+    view.apply(isvc(name, merged(changed, {"autoscaling": {"mode": "HPA"}})))
+    wait_until("HPAs rendered", lambda: set(view.children(name)) == expected_children(name, hpa=True))
+    hpa = client.AutoscalingV2Api(kube_cluster.api_client).read_namespaced_horizontal_pod_autoscaler(
+        f"{name}-decode", namespace)
+    assert hpa.spec.scale_target_ref.name == f"{name}-decode"
+    assert [m.pods.metric.name for m in hpa.spec.metrics] == ["phasesplit_num_requests_waiting",
+                                                              "phasesplit_kv_cache_usage_perc"]
+    assert (hpa.spec.min_replicas, hpa.spec.max_replicas) == (1, 4)
+    view.wait_ready(name)
+    kube_cluster.kubectl("scale", "deployment", f"{name}-decode", "-n", namespace, "--replicas=4")
+    time.sleep(5)  # the operator sees the change (a watch event) and must leave it alone
+    assert view.deployment(f"{name}-decode").spec.replicas == 4
+    assert view.get(name)["status"]["decode"]["desiredReplicas"] == 4
+    # Back to Disabled: the autoscalers are pruned and the spec's replicas return.
+    view.apply(isvc(name, merged(changed, {"autoscaling": {"mode": "Disabled"}})))
+    wait_until("HPAs pruned", lambda: set(view.children(name)) == expected_children(name))
+    wait_until("decode back to 3 replicas", lambda: view.deployment(f"{name}-decode").spec.replicas == 3)
+    assert "Deleted" in view.events(name)
+
+    # Deleting the InferenceService removes every child through owner references.
+    kube_cluster.kubectl("delete", "psvc", name, "-n", namespace)
+    wait_until("all children garbage-collected", lambda: view.children(name) == {}, timeout=120)
+    selector = f"app.kubernetes.io/instance={name}"
+    wait_until("all pods gone", lambda: view.core.list_namespaced_pod(namespace, label_selector=selector).items == [],
+               timeout=120)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. validation by the API server
+
+
+@pytest.mark.parametrize("case,patch,field", INVALID_SPECS, ids=[c[0] for c in INVALID_SPECS])
+def test_invalid_spec_rejected_naming_the_field(helm_release: KubeCluster, namespace: str, case, patch, field):
+    out = helm_release.kubectl("apply", "-n", namespace, "-f", "-", check=False,
+                               input=json.dumps(isvc(f"bad-{case}", merged(MINIMAL, patch))))
+    assert out.returncode != 0, f"{case} was accepted"
+    message = out.stderr.strip()
+    print(f"\n{case}: {message}")
+    assert field in message, message
+    # Nothing was stored.
+    got = helm_release.kubectl("get", "psvc", f"bad-{case}", "-n", namespace, check=False)
+    assert got.returncode != 0
+
+
+def test_minimal_object_is_valid_as_written(helm_release: KubeCluster, namespace: str):
+    out = helm_release.kubectl("apply", "--dry-run=server", "-o", "json", "-n", namespace, "-f", "-",
+                               input=json.dumps(isvc("chat", MINIMAL)))
+    spec = json.loads(out.stdout)["spec"]
+    assert spec["decode"]["replicas"] == 2 and spec["router"]["replicas"] == 1
+    assert spec["slo"] == {"ttft": "500ms", "itl": "50ms", "percentile": 90}
+    assert spec["kvTransfer"]["port"] == 9000
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. killed mid-reconcile
+
+
+def test_killed_mid_reconcile_converges_without_duplicates(operator: Operator, kube_cluster: KubeCluster,
+                                                           namespace: str):
+    view = View(kube_cluster, namespace)
+    names = [f"svc{i}" for i in range(6)]
+    # Many services at once, so that the kill lands while children are still being applied.
+    kube_cluster.kubectl("apply", "-n", namespace, "-f", "-",
+                         input="\n---\n".join(json.dumps(isvc(n, MINIMAL)) for n in names))
+    wait_until("the first child", lambda: view.children() != {}, interval=0.02)
+    operator.kill(signal.SIGKILL)
+    partial = len(view.children())
+    total = sum(len(expected_children(n)) for n in names)
+    print(f"\nkilled the operator with {partial}/{total} children applied")
+    operator.start()
+    for n in names:
+        view.wait_ready(n)
+    children = view.children()
+    assert set(children) == set().union(*(expected_children(n) for n in names))
+    # No duplicate work: one ReplicaSet per Deployment (no spurious rollout), one uid per name.
+    rs = view.apps.list_namespaced_replica_set(namespace).items
+    assert sorted(r.metadata.owner_references[0].name for r in rs) == sorted(
+        name for kind, name in children if kind == "Deployment")
+    # A graceful restart on a converged cluster changes nothing at all.
+    before = {k: v["metadata"]["resourceVersion"] for k, v in children.items()}
+    operator.kill(signal.SIGTERM)
+    operator.start()
+    time.sleep(5)
+    after = {k: v["metadata"]["resourceVersion"] for k, v in view.children().items()}
+    assert after == before
+
+
+def test_operator_never_lacked_a_permission(operator: Operator):
+    """Runs last in this module: the whole log of the ServiceAccount-authenticated operator."""
+    log = operator.log.read_text()
+    for needle in ("Forbidden", "403", "Not enough permissions"):
+        assert needle not in log, operator.tail()
+
+
+def test_rbac_denies_what_the_operator_does_not_need(helm_release: KubeCluster, operator: Operator):
+    kubectl = os.path.join(helm_release.bin_dir, "kubectl")
+    def can(*args: str) -> str:
+        return subprocess.run([kubectl, "--kubeconfig", str(operator.kubeconfig), "auth", "can-i", *args],
+                              capture_output=True, text=True).stdout.strip()
+    assert can("patch", "deployments", "-n", "default") == "yes"
+    assert can("list", "endpointslices.discovery.k8s.io", "-n", "default") == "yes"
+    for verb, resource in [("get", "secrets"), ("create", "pods"), ("delete", "nodes"),
+                           ("create", "clusterroles"), ("update", "deployments")]:
+        assert can(verb, resource, "-n", "default") == "no", (verb, resource)
