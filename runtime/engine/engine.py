@@ -49,6 +49,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    error: str | None = None  # set when finish_reason is "error"
 
 
 class EngineObserver:
@@ -58,6 +59,13 @@ class EngineObserver:
     def on_token(self, seq: Sequence, now: float) -> None: ...
     def on_finished(self, seq: Sequence, now: float) -> None: ...
     def on_step(self, batch: ScheduledBatch, seconds: float) -> None: ...
+
+
+class KVExport:
+    """Hooks the prefill worker uses to stream K/V out layer by layer (see server/split.py)."""
+
+    def begin(self, batch: ScheduledBatch) -> None: ...
+    def layer_done(self, layer: int) -> None: ...
 
 
 class _Stream:
@@ -108,6 +116,11 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.streams: dict[str, _Stream] = {}
         self.outputs_pending: list[RequestOutput] = []
+        # Split mode, decode side: requests whose prompt a prefill worker computes.
+        self.remote_waiting: list[Sequence] = []  # waiting for blocks to reserve
+        self.on_reserved: Callable[[Sequence], None] | None = None
+        # Split mode, prefill side.
+        self.kv_export: KVExport | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -154,12 +167,71 @@ class LLMEngine:
         return True
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.outputs_pending)
+        return self.scheduler.has_work() or bool(self.outputs_pending) or bool(self.remote_waiting)
+
+    # -- split mode, decode side ----------------------------------------------------------------
+
+    def add_remote(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Accept a request whose prompt another worker prefills into blocks reserved here."""
+        if request_id in self.seqs:
+            raise RequestError(f"duplicate request id {request_id!r}")
+        self.check_request(len(prompt_ids), params)
+        seq = Sequence(request_id, list(prompt_ids), params, status=Status.REMOTE_PREFILL)
+        self.seqs[request_id] = seq
+        self.streams[request_id] = _Stream(self.tokenizer, params.stop)
+        self.remote_waiting.append(seq)
+        self._reserve_remote()
+        return seq
+
+    def _reserve_remote(self) -> None:
+        while self.remote_waiting and self.blocks.can_allocate(self.remote_waiting[0]):
+            seq = self.remote_waiting.pop(0)
+            self.blocks.allocate(seq)  # prefix-cache hits here need not be sent
+            seq.first_scheduled = time.monotonic()
+            self.observer.on_scheduled(seq)
+            if self.on_reserved is not None:
+                self.on_reserved(seq)
+
+    def complete_remote(self, request_id: str, first_token: int) -> bool:
+        """The prompt's K/V arrived: join the running batch with the prefill's first token."""
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.status is not Status.REMOTE_PREFILL or not seq.block_table:
+            return False
+        seq.num_computed = len(seq.prompt_ids)
+        self.blocks.register_computed(seq)
+        seq.status = Status.RUNNING
+        self.scheduler.running.append(seq)
+        self.outputs_pending.append(self._append_token(seq, first_token, time.monotonic()))
+        return True
+
+    def prefill_locally(self, request_id: str) -> bool:
+        """Fall back to computing the prompt here (a failed or skipped remote prefill)."""
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.status is not Status.REMOTE_PREFILL:
+            return False
+        if seq in self.remote_waiting:
+            self.remote_waiting.remove(seq)
+        self.blocks.free_seq(seq)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        self.scheduler.waiting.appendleft(seq)
+        return True
+
+    def fail(self, request_id: str, message: str) -> None:
+        """End a request with an error the client will see."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return
+        seq.finish_reason = "error"
+        self._finish(seq, time.monotonic())
+        self.outputs_pending.append(RequestOutput(request_id, [], "", finished=True, finish_reason="error",
+                                                  prompt_tokens=len(seq.prompt_ids),
+                                                  completion_tokens=len(seq.output_ids), error=message))
 
     # -- stepping ---------------------------------------------------------------------------
 
-    def step(self, after_layer: Callable[[int], None] | None = None,
-             on_batch: Callable[[ScheduledBatch], None] | None = None) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput]:
+        self._reserve_remote()
         outputs, self.outputs_pending = self.outputs_pending, []
         batch = self.scheduler.schedule()
         if batch.empty:
@@ -169,8 +241,10 @@ class LLMEngine:
             if seq.first_scheduled is None:
                 seq.first_scheduled = now
                 self.observer.on_scheduled(seq)
-        if on_batch is not None:
-            on_batch(batch)
+        after_layer = None
+        if self.kv_export is not None:
+            self.kv_export.begin(batch)
+            after_layer = self.kv_export.layer_done
         t0 = time.perf_counter()
         sampled, logits = self.runner.run(batch, after_layer)
         for seq, _ in batch.prefill:
@@ -216,6 +290,8 @@ class LLMEngine:
         return out
 
     def _finish(self, seq: Sequence, now: float) -> None:
+        if seq in self.remote_waiting:
+            self.remote_waiting.remove(seq)
         self.scheduler.finish(seq)
         self.seqs.pop(seq.request_id, None)
         self.streams.pop(seq.request_id, None)

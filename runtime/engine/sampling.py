@@ -46,6 +46,7 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
 
+    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str],
                banned: list[list[int]]) -> list[int]:
         """logits: [rows, vocab] float32. banned[i]: token ids not allowed in row i (min_tokens)."""

@@ -24,6 +24,10 @@ class EngineDead(RuntimeError):
     pass
 
 
+class GenerationFailed(RuntimeError):
+    """The request ended with an error (e.g. its remote prefill failed under the `fail` policy)."""
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -51,6 +55,9 @@ class AsyncEngine:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:
+                    finished = True
+                    raise GenerationFailed(item.error)
                 yield item
                 if item.finished:
                     finished = True
@@ -84,7 +91,10 @@ class AsyncEngine:
             if request_id not in self.streams:  # the client left before the engine saw it
                 return
             try:
-                e.add_request(request_id, prompt_ids, params, **options)
+                if options.pop("remote", False):
+                    e.add_remote(request_id, prompt_ids, params)
+                else:
+                    e.add_request(request_id, prompt_ids, params, **options)
             except Exception as exc:  # a request error must reach its caller, not kill the engine
                 self._deliver(request_id, exc)
         elif kind == "abort":

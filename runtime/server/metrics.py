@@ -54,6 +54,11 @@ class Metrics:
                               names, registry=r)
         self.prefill_queue = Gauge("phasesplit_prefill_queue_tokens", "Prompt tokens waiting to be prefilled",
                                    names, registry=r)
+        # Create every labelled series now, so scrapers see zeros instead of missing metrics.
+        for metric in (self.ttft, self.itl, self.e2e, self.queue, self.kv_transfer, self.prompt_tokens,
+                       self.generation_tokens, self.prefix_queries, self.prefix_hits, self.preemptions,
+                       self.kv_bytes, self.local_prefill):
+            self.child(metric)
 
     def bind(self, running: Callable[[], float], waiting: Callable[[], float], kv_usage: Callable[[], float],
              queue_tokens: Callable[[], float] | None = None) -> None:

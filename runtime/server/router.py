@@ -1,0 +1,256 @@
+"""The router: the OpenAI API in front of prefill and decode pools.
+
+It tokenizes, validates, picks a decode worker (most free KV blocks, then fewest running) and
+ranks prefill workers (fewest queued prompt tokens; power of two choices), and relays the decode
+worker's stream. Its TTFT/ITL histograms include queueing and KV transfer: the ones the
+autoscaler reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+
+import httpx
+from fastapi import FastAPI
+
+from phasesplit.runtime.engine.engine import RequestError, RequestOutput
+from phasesplit.runtime.engine.sampling import SamplingParams
+from phasesplit.runtime.model.loader import read_config, resolve
+from phasesplit.runtime.model.tokenizer import TextTokenizer
+from phasesplit.runtime.server.metrics import Metrics
+from phasesplit.runtime.server.openai_api import build_openai_app
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Worker:
+    url: str
+    up: bool = False
+    free_blocks: int = 0
+    total_blocks: int = 0
+    running: int = 0
+    waiting: int = 0
+    waiting_tokens: int = 0
+    inflight: int = 0  # requests this router sent since the last poll: keeps picks spread out
+    last_seen: float = 0.0
+
+
+@dataclass
+class Pool:
+    workers: dict[str, Worker] = field(default_factory=dict)
+
+    def set_urls(self, urls: list[str]) -> None:
+        for u in urls:
+            self.workers.setdefault(u, Worker(u))
+        for u in list(self.workers):
+            if u not in urls:
+                del self.workers[u]
+
+    def live(self) -> list[Worker]:
+        return [w for w in self.workers.values() if w.up]
+
+
+def pick_decode(pool: Pool) -> Worker | None:
+    live = pool.live()
+    if not live:
+        return None
+    return max(live, key=lambda w: (w.free_blocks, -(w.running + w.inflight)))
+
+
+def rank_prefill(pool: Pool, rng: random.Random) -> list[Worker]:
+    """Power of two choices on queued prompt tokens first, the rest as fallbacks."""
+    live = pool.live()
+    if len(live) <= 1:
+        return live
+    a, b = rng.sample(live, 2)
+    best = min((a, b), key=lambda w: w.waiting_tokens)
+    return [best] + sorted((w for w in live if w is not best), key=lambda w: w.waiting_tokens)
+
+
+class RemoteBackend:
+    """The OpenAI layer's backend in split mode: relays to a decode worker."""
+
+    def __init__(self, args: argparse.Namespace, metrics: Metrics) -> None:
+        files = resolve(args.model)
+        self.tokenizer = TextTokenizer(files.folder)
+        cfg = read_config(files)
+        self.max_model_len = min(args.max_model_len or cfg.max_position, cfg.max_position)
+        self.metrics = metrics
+        self.decode, self.prefill = Pool(), Pool()
+        self.decode.set_urls(list(args.decode_urls))
+        self.prefill.set_urls(list(args.prefill_urls))
+        self.rng = random.Random(0)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=3.0))
+        self.poll_interval = 0.5
+
+    def check_request(self, prompt_len: int, params: SamplingParams) -> None:
+        try:
+            params.validate()
+        except ValueError as e:
+            raise RequestError(str(e), str(e).split()[0]) from None
+        if prompt_len + params.max_tokens > self.max_model_len:
+            raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens; the "
+                               f"request has {prompt_len} prompt tokens plus max_tokens={params.max_tokens}",
+                               "max_tokens")
+
+    async def poll_forever(self) -> None:
+        while True:
+            workers = list(self.decode.workers.values()) + list(self.prefill.workers.values())
+            await asyncio.gather(*(self._poll(w) for w in workers))
+            await asyncio.sleep(self.poll_interval)
+
+    async def _poll(self, w: Worker) -> None:
+        try:
+            r = await self.client.get(w.url + "/internal/state", timeout=2.0)
+            r.raise_for_status()
+            s = r.json()
+        except (httpx.HTTPError, ValueError):
+            if w.up:
+                log.warning("worker %s is down", w.url)
+            w.up = False
+            return
+        if not w.up:
+            log.info("worker %s is up", w.url)
+        w.up, w.last_seen, w.inflight = True, time.monotonic(), 0
+        w.free_blocks, w.total_blocks = s["free_blocks"], s["total_blocks"]
+        w.running, w.waiting, w.waiting_tokens = s["running"], s["waiting"], s["waiting_tokens"]
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
+                       ) -> AsyncIterator[RequestOutput]:
+        worker = pick_decode(self.decode)
+        if worker is None:
+            raise RuntimeError("no decode worker is available")
+        prefill = [w.url for w in rank_prefill(self.prefill, self.rng)]
+        if prefill:
+            self.prefill.workers[prefill[0]].waiting_tokens += len(prompt_ids)
+        worker.inflight += 1
+        m = self.metrics
+        body = {"request_id": request_id, "prompt_ids": prompt_ids, "params": asdict(params),
+                "prefill_urls": prefill}
+        start = time.monotonic()
+        last = None
+        try:
+            async with self.client.stream("POST", worker.url + "/internal/generate", json=body) as r:
+                if r.status_code == 400:
+                    err = json.loads(await r.aread()).get("error", {})
+                    raise RequestError(err.get("message", "bad request"), err.get("param"))
+                if r.status_code != 200:
+                    raise RuntimeError(f"decode worker {worker.url} answered HTTP {r.status_code}")
+                async for line in r.aiter_lines():
+                    if not line:
+                        continue
+                    d = json.loads(line)
+                    if d.get("error"):
+                        raise RuntimeError(d["error"])
+                    out = RequestOutput(**d)
+                    now = time.monotonic()
+                    if out.new_token_ids:
+                        if last is None:
+                            m.child(m.ttft).observe(now - start)
+                        else:
+                            m.child(m.itl).observe(now - last)
+                        last = now
+                        m.child(m.generation_tokens).inc(len(out.new_token_ids))
+                    yield out
+                    if out.finished:
+                        m.child(m.e2e).observe(now - start)
+                        m.child(m.prompt_tokens).inc(out.prompt_tokens)
+                        m.success.labels(**m.labels, finished_reason=out.finish_reason or "stop").inc()
+                        return
+            raise RuntimeError(f"decode worker {worker.url} closed the stream before the request finished")
+        except httpx.HTTPError as e:
+            worker.up = False  # until the next successful poll
+            raise RuntimeError(f"decode worker {worker.url} failed: {e or type(e).__name__}") from None
+
+
+def watch_kubernetes(backend: RemoteBackend, args: argparse.Namespace) -> None:
+    """Keep the pools equal to the ready endpoints of the phase Services (a watch, not a poll)."""
+    from kubernetes import client, config, watch
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    api = client.DiscoveryV1Api()
+    namespace = args.namespace or _own_namespace()
+    services = {args.prefill_service: backend.prefill, args.decode_service: backend.decode}
+    slices: dict[str, tuple[str, list[str]]] = {}  # slice name -> (service, urls)
+
+    def refresh() -> None:
+        for svc, pool in services.items():
+            urls = sorted({u for s, us in slices.values() if s == svc for u in us})
+            pool.set_urls(urls)
+
+    selector = "kubernetes.io/service-name in ({})".format(",".join(services))
+    while True:
+        try:
+            w = watch.Watch()
+            for ev in w.stream(api.list_namespaced_endpoint_slice, namespace, label_selector=selector,
+                               timeout_seconds=300):
+                obj = ev["object"]
+                svc = obj.metadata.labels.get("kubernetes.io/service-name")
+                port = next((p.port for p in obj.ports or [] if p.name in (None, "http")), 8000)
+                urls = [f"http://{addr}:{port}" for ep in obj.endpoints or []
+                        if ep.conditions is None or ep.conditions.ready for addr in ep.addresses]
+                if ev["type"] == "DELETED":
+                    slices.pop(obj.metadata.name, None)
+                else:
+                    slices[obj.metadata.name] = (svc, urls)
+                refresh()
+        except Exception as e:  # noqa: BLE001 - API hiccups must not kill discovery
+            log.warning("endpoint watch failed, retrying: %s", e)
+            time.sleep(2)
+
+
+def _own_namespace() -> str:
+    path = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+    if os.path.exists(path):
+        with open(path) as f:
+            return f.read().strip()
+    return "default"
+
+
+def build_router_app(args: argparse.Namespace) -> FastAPI:
+    name = args.served_model_name or resolve(args.model).name
+    metrics = Metrics(name, "router")
+    backend = RemoteBackend(args, metrics)
+    def kv_usage() -> float:  # the decode pool's, as the router last saw it
+        live = backend.decode.live()
+        total = sum(w.total_blocks for w in live)
+        return 1.0 - sum(w.free_blocks for w in live) / total if total else 0.0
+
+    metrics.bind(running=lambda: sum(w.running for w in backend.decode.live()),
+                 waiting=lambda: sum(w.waiting for w in backend.decode.live() + backend.prefill.live()),
+                 kv_usage=kv_usage,
+                 queue_tokens=lambda: sum(w.waiting_tokens for w in backend.prefill.live()))
+
+    def ready() -> tuple[bool, str]:
+        if not backend.decode.live():
+            return False, "no decode worker is up"
+        return True, "ok"
+
+    api_key = os.environ.get(args.api_key_env) or None
+    app = build_openai_app(backend, name, metrics, ready, api_key=api_key)
+
+    @app.on_event("startup")
+    async def _start() -> None:
+        if args.discovery == "kubernetes":
+            threading.Thread(target=watch_kubernetes, args=(backend, args), daemon=True).start()
+        app.state.poller = asyncio.create_task(backend.poll_forever())
+
+    @app.get("/internal/workers")
+    async def workers() -> dict:
+        return {"decode": [asdict(w) for w in backend.decode.workers.values()],
+                "prefill": [asdict(w) for w in backend.prefill.workers.values()]}
+
+    return app
