@@ -132,25 +132,38 @@ def _plt():
     return plt
 
 
-def _finite_rates(runs: Sequence[Mapping]) -> list[Mapping]:
-    # An 'inf' rate has no place on a rate axis; plot it at its achieved throughput instead.
-    return sorted(runs, key=lambda r: r["rate"] if not math.isinf(r["rate"]) else r["summary"]["request_throughput"])
+def _by_rate(runs: Sequence[Mapping]) -> list[Mapping]:
+    return sorted(runs, key=lambda r: r["rate"])  # inf sorts last
+
+
+def _plain_log_axis(axis) -> None:
+    """Log scale with plain numbers (50, 100, 200) instead of 5x10^1 labels that collide."""
+    from matplotlib.ticker import FuncFormatter
+
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    # Label the 2s and 5s between decades when there are few decades; more would overlap.
+    lo, hi = axis.get_view_interval()
+    few = lo > 0 and hi / lo < 10**2.5
+    axis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if few and f"{v:.0e}"[0] in "25" else ""))
 
 
 def plot_latency_vs_rate(series: Series, path: str | Path, title: str = "") -> Path:
+    """TTFT and ITL p50/p90/p99 against the offered request rate, one colour per series.
+    Runs at rate inf have no place on a rate axis and are left out (the tables show them)."""
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     styles = {50: "-", 90: "--", 99: ":"}
     for ax, key, name in ((axes[0], "ttft_s", "TTFT"), (axes[1], "itl_s", "ITL")):
         for i, (label, runs) in enumerate(series.items()):
-            runs = _finite_rates(runs)
-            xs = [r["rate"] if not math.isinf(r["rate"]) else r["summary"]["request_throughput"] for r in runs]
+            runs = [r for r in _by_rate(runs) if not math.isinf(r["rate"])]
+            xs = [r["rate"] for r in runs]
             for p in PERCENTILES:
                 ys = [r["summary"][key][f"p{p}"] * 1000 for r in runs]
                 ax.plot(xs, ys, styles[p], marker="o", color=f"C{i}", label=f"{label} p{p}")
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(f"{name} (ms)")
         ax.set_yscale("log")
+        _plain_log_axis(ax.yaxis)
         ax.grid(True, which="both", alpha=0.3)
         ax.set_title(f"{name} percentiles vs request rate")
     axes[1].legend(fontsize=7, ncol=1)
@@ -172,7 +185,7 @@ def plot_cdfs(series: Series, path: str | Path, title: str = "") -> Path:
     n_lines = sum(len(runs) for runs in series.values())
     k = 0
     for label, runs in series.items():
-        for run in _finite_rates(runs):
+        for run in _by_rate(runs):
             ok = [r for r in run["results"] if r.ok]
             name = f"{label} @ {rate_label(run['rate'])}/s" if len(series) > 1 else f"{rate_label(run['rate'])} req/s"
             color = plt.cm.viridis(k / max(1, n_lines - 1)) if len(series) == 1 else None
@@ -181,6 +194,7 @@ def plot_cdfs(series: Series, path: str | Path, title: str = "") -> Path:
             k += 1
     for ax, name in ((axes[0], "TTFT"), (axes[1], "ITL")):
         ax.set_xscale("log")
+        _plain_log_axis(ax.xaxis)
         ax.set_xlabel(f"{name} (ms)")
         ax.set_ylabel("fraction of " + ("requests" if name == "TTFT" else "token gaps"))
         ax.grid(True, which="both", alpha=0.3)
