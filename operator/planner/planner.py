@@ -86,6 +86,7 @@ class Planner:
     config: PlannerConfig = field(default_factory=PlannerConfig)
     model: PerfModel = field(default_factory=lambda: PerfModel(PrefillProfile(), DecodeProfile()))
     stale_windows: int = 0
+    decode_bound_before: bool = False
 
     def __post_init__(self) -> None:
         self.limiters = {p: PhaseLimiter(self.config.behavior) for p in PHASES}
@@ -168,8 +169,12 @@ class Planner:
         # wait budget left after a long prompt's own service time; a miss that service time
         # alone explains (the longest prompts of the window) buys nothing.
         floor = self._prefill_floor(snap)
+        # KV exhaustion that ended in the previous window still shows in this window's TTFT
+        # (those requests got their first token late): already answered, not prefill's miss.
+        decode_recovered = self.decode_bound_before and not decode_bound
+        self.decode_bound_before = decode_bound
         if (snap.ttft_p is not None and snap.ttft_p > cfg.ttft_s and cfg.ttft_s - floor > 0.2 * cfg.ttft_s
-                and not prefill_backlog):
+                and not prefill_backlog and not decode_recovered):
             factor = min((snap.ttft_p - floor) / (cfg.ttft_s - floor), cfg.max_miss_factor)
             phase = "decode" if decode_bound else "prefill"
             base = (snap.ready_decode if decode_bound else snap.ready_prefill) or current[phase]
@@ -283,6 +288,14 @@ class Planner:
         # If the runtime reports more KV in use than that predicts (prefix blocks, fragmentation),
         # believe the runtime.
         kv_per_req = isl + osl
+        # Long requests stay longer, so the running batch holds more than the mean request's
+        # KV (the inspection paradox); the runtime's KV usage per running request measures that
+        # directly. Trusted only when decode is not also holding reservations for a prefill backlog.
+        prefill_backlog, _ = self._bottlenecks(snap)
+        if (snap.kv_usage is not None and snap.ready_decode and (snap.decode_running or 0) >= 10
+                and not prefill_backlog):
+            per_running = snap.kv_usage * model.decode.kv_capacity_tokens * snap.ready_decode / snap.decode_running
+            kv_per_req = max(kv_per_req, min(per_running, 3 * (isl + osl)))
         # What the runtime reports in use now (including blocks reserved for prompts still in
         # prefill, fragmentation, prefix blocks) is a floor: never size below it plus headroom.
         in_use = 0.0
