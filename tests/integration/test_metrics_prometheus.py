@@ -1,0 +1,141 @@
+"""The planner's metrics sources against real processes: a colocated runtime serving the bundled
+model, scraped directly and by the real Prometheus server (Debian's package; see
+hack/setup.d/60-prometheus.sh). Both must see the same window: the requests sent, their prompt
+lengths as the server counted them, and latency quantiles from histogram deltas."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from phasesplit.operator.metrics.prometheus import PrometheusSource
+from phasesplit.operator.metrics.scrape import PodScrapeSource
+from tests.procs import free_port, serve
+
+pytestmark = pytest.mark.slow
+SCRAPE_S = 1
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory):
+    proc = serve("both", tmp_path_factory.mktemp("runtime"), "--max-model-len", "512")
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def prometheus(runtime, tmp_path_factory):
+    binary = shutil.which("prometheus")
+    assert binary, "the prometheus server is missing: run hack/setup.sh (hack/setup.d/60-prometheus.sh)"
+    d = tmp_path_factory.mktemp("prometheus")
+    target = runtime.url.removeprefix("http://")
+    (d / "prometheus.yml").write_text(
+        f"global:\n  scrape_interval: {SCRAPE_S}s\n  evaluation_interval: {SCRAPE_S}s\n"
+        f"scrape_configs:\n  - job_name: phasesplit\n    static_configs:\n      - targets: ['{target}']\n")
+    port = free_port()
+    log = open(d / "prometheus.log", "wb")
+    p = subprocess.Popen([binary, f"--config.file={d / 'prometheus.yml'}", f"--storage.tsdb.path={d / 'data'}",
+                          f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/-/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert p.poll() is None, (d / "prometheus.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "prometheus did not become ready"
+            time.sleep(0.3)
+        yield url
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
+        log.close()
+
+
+def model_name(url: str) -> str:
+    return httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def send(url: str, model: str, n: int) -> list[int]:
+    """n short completions; returns the prompt lengths the server counted."""
+    lengths = []
+    with httpx.Client(timeout=120) as c:
+        for i in range(n):
+            prompt = "The planner reads these numbers. " * (1 + i % 3)
+            r = c.post(url + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 6,
+                                                      "temperature": 0})
+            r.raise_for_status()
+            lengths.append(r.json()["usage"]["prompt_tokens"])
+    return lengths
+
+
+def prom_series_count(prom: str, query: str) -> float:
+    body = httpx.get(prom + "/api/v1/query", params={"query": query}, timeout=10).json()
+    return float(body["data"]["result"][0]["value"][1]) if body["data"]["result"] else 0.0
+
+
+def test_pod_scrape_and_prometheus_see_the_same_window(runtime, prometheus):
+    model = model_name(runtime.url)
+    pods = {"worker": runtime.url + "/metrics"}
+    # One request first: the runtime creates a labelled series at its first observation, and a
+    # series born inside the window would leave its first increment out of Prometheus's rate().
+    send(runtime.url, model, 1)
+    direct = PodScrapeSource(percentile=0.9)
+    assert asyncio.run(direct.collect(pods)) is None  # first scrape only primes the window
+    # Prometheus must have a sample from before the load as well.
+    deadline = time.monotonic() + 30
+    while prom_series_count(prometheus, f'count(phasesplit_num_requests_running{{model="{model}"}})') < 1:
+        assert time.monotonic() < deadline, "prometheus never scraped the runtime"
+        time.sleep(0.5)
+    time.sleep(2 * SCRAPE_S)
+    start = time.time()
+    lengths = send(runtime.url, model, 8)
+    snap = asyncio.run(direct.collect(pods))
+    assert not direct.errors
+    assert snap is not None and snap.request_rate * snap.window_s == pytest.approx(8)
+    assert snap.mean_prompt_tokens == pytest.approx(sum(lengths) / len(lengths))
+    assert snap.generated_tokens_mean == pytest.approx(6)
+    assert snap.ttft_p is not None and snap.ttft_p > 0 and snap.itl_p is not None and snap.itl_p > 0
+    assert snap.decode_running == 0 and 0 <= snap.kv_usage <= 1
+    assert (snap.ready_prefill, snap.ready_decode) == (1, 1)
+
+    time.sleep(3 * SCRAPE_S)  # let Prometheus take a sample after the last request
+    window = time.time() - start + 2 * SCRAPE_S
+    prom = PrometheusSource(prometheus, model, window_s=window, percentile=0.9)
+    psnap = asyncio.run(prom.collect())
+    assert psnap is not None
+    # rate() extrapolates to the window's edges, so counts agree within the extrapolation.
+    assert psnap.request_rate * window == pytest.approx(8, rel=0.35)
+    assert psnap.mean_prompt_tokens == pytest.approx(sum(lengths) / len(lengths), rel=0.01)
+    assert psnap.ttft_p is not None and psnap.ttft_p > 0
+    assert psnap.itl_p is not None and psnap.itl_p > 0
+    assert psnap.ready_decode == 1 and psnap.decode_running == 0
+    # Same histogram buckets, same requests: the quantiles agree to within one bucket's interpolation.
+    assert psnap.ttft_p == pytest.approx(snap.ttft_p, rel=0.5)
+
+
+def test_prometheus_window_without_traffic_has_no_latency(runtime, prometheus):
+    model = model_name(runtime.url)
+    time.sleep(4 * SCRAPE_S)
+    psnap = asyncio.run(PrometheusSource(prometheus, model, window_s=3, percentile=0.9).collect())
+    assert psnap is not None and psnap.request_rate == 0
+    assert psnap.ttft_p is None and psnap.ttft_mean is None  # 0/0 in an idle window is "no data", not 0
+
+
+def test_missing_prometheus_is_a_clear_error(tmp_path: Path):
+    from phasesplit.operator.metrics.prometheus import PrometheusError
+
+    with pytest.raises(PrometheusError, match="Prometheus at http://127.0.0.1"):
+        asyncio.run(PrometheusSource(f"http://127.0.0.1:{free_port()}", "m", 30, 0.9, timeout_s=2).collect())
