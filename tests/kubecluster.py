@@ -9,9 +9,9 @@ Tests ask for the session-scoped ``kube_cluster`` fixture and carry the ``cluste
         apps = kubernetes.client.AppsV1Api(kube_cluster.api_client)
 
 The fixture runs ``hack/cluster.sh up``: it reuses a cluster that is already up (for instance one a
-developer started by hand) and otherwise starts one, which it stops again at the end of the
-session. Cluster tests skip only when ``PHASESPLIT_SKIP_CLUSTER=1``; everywhere else, CI included,
-they run.
+developer started by hand, which it leaves running) and otherwise starts one, which it stops again
+at the end of the session (the last of several concurrent sessions using it does). Cluster tests
+skip only when ``PHASESPLIT_SKIP_CLUSTER=1``; everywhere else, CI included, they run.
 
 The interface (``kubeconfig``, ``bin_dir``, ``api_client``, ``env``, ``kubectl()``) is what the
 operator's tests build on; extend it, do not change it.
@@ -34,6 +34,7 @@ from kubernetes import config as k8s_config
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER_SH = ROOT / "hack" / "cluster.sh"
 SKIP_ENV = "PHASESPLIT_SKIP_CLUSTER"
+STARTED_MARKER = "started-by-pytest"
 # Start-up takes seconds once the tools are cached; this also covers building them (normally done
 # beforehand by hack/setup.sh) on a slow machine.
 UP_TIMEOUT_S = 3600
@@ -98,20 +99,23 @@ def kube_cluster() -> Iterator[KubeCluster]:
     if cluster_skipped():
         pytest.skip(f"{SKIP_ENV}=1")
 
-    # Every session using the cluster holds a shared lock on users.lock in its state directory; the
-    # session that started it stops it only if no other session still holds one.
-    started = False
+    # Every session using the cluster holds a shared lock on users.lock in its state directory for
+    # as long as it runs. A cluster that a test session started (marked by STARTED_MARKER) is stopped
+    # by whichever session finishes last; one started by hand is left alone.
     users = None
     for _ in range(3):
-        started = _cluster_sh("status", 60).returncode != 0
+        was_up = _cluster_sh("status", 60).returncode == 0
         up = _cluster_sh("up", UP_TIMEOUT_S)
         if up.returncode != 0:
             pytest.fail(f"hack/cluster.sh up failed (exit {up.returncode}); see its output above")
         kubeconfig, bin_dir = _parse_exports(up.stdout)
-        users = open(Path(kubeconfig).parent / "users.lock", "a")  # held all session
+        state = Path(kubeconfig).parent
+        users = open(state / "users.lock", "a")  # held all session
         fcntl.flock(users, fcntl.LOCK_SH)
         # Another session may have stopped the cluster between our `up` and our lock.
         if _cluster_sh("status", 60).returncode == 0:
+            if not was_up:
+                (state / STARTED_MARKER).touch()
             break
         users.close()
         users = None
@@ -124,22 +128,18 @@ def kube_cluster() -> Iterator[KubeCluster]:
         yield KubeCluster(kubeconfig=kubeconfig, bin_dir=bin_dir, api_client=client, env=env)
     finally:
         client.close()
-        if not started:
-            users.close()
-        else:
-            fcntl.flock(users, fcntl.LOCK_UN)
+        fcntl.flock(users, fcntl.LOCK_UN)
+        if (state / STARTED_MARKER).exists():
             try:
                 fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                users.close()
                 print(
-                    "\n[kube_cluster] another test session still uses the cluster; left it running"
-                    " (stop it with hack/cluster.sh down)",
+                    "\n[kube_cluster] another test session still uses the cluster; it stops it when done",
                     file=sys.stderr,
                 )
             else:
                 _cluster_sh("down", 120)
-                users.close()
+        users.close()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
