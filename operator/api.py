@@ -578,6 +578,10 @@ class AutoscalingStatus(ApiModel):
     mode: str | None = Field(None, description="Mode in effect.")
     last_decision: Decision | None = Field(None, description="The latest decision.")
     observed: Observed | None = Field(None, description="Latest measurements.")
+    conditions: list[Condition] = Field(default_factory=list,
+                                        description="MetricsAvailable: whether the last step had fresh metrics "
+                                                    "(False holds the replicas); SLOReachable when False: "
+                                                    "prompts too long for the TTFT target at any size.")
 
 
 class InferenceServiceStatus(ApiModel):
