@@ -88,7 +88,21 @@ def _first(*phases_and_values):
     return None
 
 
-def snapshot(prev: Scrape, cur: Scrape, percentile: float) -> MetricsSnapshot:
+def attainment(ttft: Histogram | None, itl: Histogram | None, slo: tuple[float, float] | None) -> float | None:
+    """Estimated share of requests meeting both targets: the share of first tokens within the
+    TTFT target times the share of token gaps within the ITL target (the histograms are per
+    token, not per request, and independence is assumed; an estimate for status, not a gate)."""
+    if slo is None or ttft is None:
+        return None
+    a = ttft.fraction_within(slo[0])
+    if a is None:
+        return None
+    b = itl.fraction_within(slo[1]) if itl is not None else None
+    return a * (b if b is not None else 1.0)
+
+
+def snapshot(prev: Scrape, cur: Scrape, percentile: float,
+             slo: tuple[float, float] | None = None) -> MetricsSnapshot:
     window = cur.timestamp - prev.timestamp
     if window <= 0:
         raise ValueError("scrapes out of order")
@@ -121,6 +135,7 @@ def snapshot(prev: Scrape, cur: Scrape, percentile: float) -> MetricsSnapshot:
         decode_running=_gauge(cur, RUNNING, decode),
         decode_waiting=_gauge(cur, WAITING, decode),
         kv_usage=_gauge(cur, KV_USAGE, decode, "mean"),
+        slo_attainment=attainment(ttft, itl, slo),
         ready_prefill=len(_phase_pods(cur, prefill)) or None,
         ready_decode=len(_phase_pods(cur, decode)) or None,
         # Prompt tokens are counted when the first token is out (runtime/server/metrics.py), so

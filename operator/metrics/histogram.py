@@ -53,3 +53,18 @@ class Histogram:
                 return prev_le + (le - prev_le) * (rank - prev_c) / (c - prev_c)
             prev_le, prev_c = le, c
         return prev_le
+
+    def fraction_within(self, limit: float) -> float | None:
+        """Share of observations ≤ limit, interpolating inside its bucket (the SLO attainment of
+        one latency, as far as the buckets can tell)."""
+        if self.count <= 0 or not self.buckets:
+            return None
+        prev_le, prev_c = 0.0, 0.0
+        for le in sorted(self.buckets):
+            c = self.buckets[le]
+            if limit <= le:
+                if math.isinf(le):
+                    return prev_c / self.count
+                return (prev_c + (c - prev_c) * (limit - prev_le) / (le - prev_le)) / self.count
+            prev_le, prev_c = le, c
+        return prev_c / self.count

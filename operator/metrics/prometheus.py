@@ -13,6 +13,7 @@ import time
 import httpx
 
 from phasesplit.operator.metrics import aggregate as names
+from phasesplit.operator.metrics.histogram import Histogram
 from phasesplit.operator.planner.snapshot import MetricsSnapshot
 
 
@@ -59,7 +60,9 @@ def queries(model: str, window_s: float, percentile: float, selector: str = "",
 
 class PrometheusSource:
     def __init__(self, url: str, model: str, window_s: float, percentile: float, selector: str = "",
-                 timeout_s: float = 10.0, client: httpx.AsyncClient | None = None):
+                 timeout_s: float = 10.0, client: httpx.AsyncClient | None = None,
+                 slo: tuple[float, float] | None = None):
+        self.slo = slo
         self.url = url.rstrip("/")
         self.model = model
         self.window_s = window_s
@@ -81,6 +84,22 @@ class PrometheusSource:
         value = float(result[0]["value"][1])
         return None if value != value else value  # NaN (0/0 in an idle window) → no data
 
+    async def _buckets(self, client: httpx.AsyncClient, metric: str, front: str, at: float) -> Histogram | None:
+        """The window's bucket counts (rate × window) of a router histogram, for attainment."""
+        extra = f",{self.selector}" if self.selector else ""
+        w = f"{max(1, round(self.window_s))}s"
+        promql = (f'sum by (le) (increase({metric}_bucket{{model="{self.model}",phase="{front}"{extra}}}[{w}]))')
+        r = await client.get(f"{self.url}/api/v1/query", params={"query": promql, "time": f"{at:.3f}"})
+        r.raise_for_status()
+        h = Histogram()
+        for s in r.json()["data"]["result"]:
+            v = float(s["value"][1])
+            h.buckets[float(s["metric"]["le"])] = 0.0 if v != v else v
+        if not h.buckets:
+            return None
+        h.count = h.buckets.get(float("inf"), max(h.buckets.values()))
+        return h
+
     async def _phases(self, client: httpx.AsyncClient, at: float) -> tuple[str, str, str]:
         """Split mode (router, prefill, decode) or colocated (both for everything)."""
         extra = f",{self.selector}" if self.selector else ""
@@ -101,6 +120,8 @@ class PrometheusSource:
             front, prefill, decode = await self._phases(client, at)
             qs = queries(self.model, self.window_s, self.percentile, self.selector, front, prefill, decode)
             v = {k: await self._query(client, q, at) for k, q in qs.items()}
+            hists = [await self._buckets(client, m, front, at) for m in (names.TTFT, names.ITL)] \
+                if self.slo else [None, None]
         except httpx.HTTPError as e:
             raise PrometheusError(f"Prometheus at {self.url}: {type(e).__name__}: {e}") from e
         finally:
@@ -117,6 +138,7 @@ class PrometheusSource:
             prefill_queue_tokens=v["prefill_queue_tokens"],
             prefill_waiting=v["prefill_waiting"] if prefill != decode else None,
             decode_running=v["decode_running"], decode_waiting=v["decode_waiting"], kv_usage=v["kv_usage"],
+            slo_attainment=names.attainment(hists[0], hists[1], self.slo),
             ready_prefill=int(v["ready_prefill"]) if v["ready_prefill"] else None,
             ready_decode=int(v["ready_decode"]) if v["ready_decode"] else None,
             prompt_tokens_mean=(v["prompt_token_rate"] / rate) if rate and v["prompt_token_rate"] is not None else None,

@@ -44,8 +44,9 @@ class PodScrapeSource:
     treats as missing metrics: it holds the count.
     """
 
-    def __init__(self, percentile: float, timeout_s: float = 5.0):
+    def __init__(self, percentile: float, timeout_s: float = 5.0, slo: tuple[float, float] | None = None):
         self.percentile = percentile
+        self.slo = slo
         self.timeout_s = timeout_s
         self.previous: Scrape | None = None
         self.errors: list[str] = []
@@ -55,4 +56,4 @@ class PodScrapeSource:
         prev, self.previous = self.previous, cur
         if prev is None or not cur.pods:
             return None
-        return snapshot(prev, cur, self.percentile)
+        return snapshot(prev, cur, self.percentile, self.slo)

@@ -112,8 +112,10 @@ class PhaseLimiter:
             self.changes.append((now, desired - current))
 
     def _limit(self, now: float, current: int, rules: ScalingRules, sign: int) -> int:
-        if rules.select == "Disabled" or not rules.policies:
+        if rules.select == "Disabled":
             return current
+        if not rules.policies:
+            return 10**9 if sign > 0 else 0  # no policy: no rate limit
         limits = []
         for p in rules.policies:
             # Replicas at the start of this policy's period: undo the changes made within it.
