@@ -22,8 +22,6 @@ from phasesplit.operator.planner import Behavior, Decision, MetricsSnapshot, Pla
 from phasesplit.operator.planner.behavior import ScalingPolicy, ScalingRules
 from phasesplit.operator.planner.planner import PhaseLimits
 
-SCRAPED = ("router", "prefill", "decode")
-
 
 def _rules(r: api.ScalingRules) -> ScalingRules:
     return ScalingRules(float(r.stabilization_window_seconds),
@@ -48,17 +46,22 @@ def planner_config(spec: api.InferenceServiceSpec) -> PlannerConfig:
     )
 
 
-def pod_targets(pods: list[Mapping[str, Any]], port: int = api.HTTP_PORT) -> dict[str, str]:
-    """/metrics URLs of the ready router, prefill and decode pods (pods not ready report nothing,
-    as Prometheus's up=0 would)."""
+def endpoint_targets(slices: list[Mapping[str, Any]]) -> dict[str, str]:
+    """/metrics URLs of the ready endpoints in the router's and phases' EndpointSlices (what the
+    router itself discovers workers from; an endpoint not ready reports nothing, as Prometheus's
+    up=0 would)."""
     out = {}
-    for pod in pods:
-        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
-        component = (meta.get("labels") or {}).get("app.kubernetes.io/component")
-        ip = status.get("podIP") or status.get("pod_ip")
-        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
-        if component in SCRAPED and ip and ready and not meta.get("deletionTimestamp"):
-            out[meta["name"]] = f"http://{ip}:{port}/metrics"
+    for sl in slices:
+        port = next((p.get("port") for p in sl.get("ports") or [] if p.get("name") == "http"), None)
+        if port is None:
+            continue
+        for ep in sl.get("endpoints") or []:
+            if (ep.get("conditions") or {}).get("ready") is False or not ep.get("addresses"):
+                continue
+            address = ep["addresses"][0]
+            host = f"[{address}]" if ":" in address else address
+            name = (ep.get("targetRef") or {}).get("name") or address
+            out[name] = f"http://{host}:{port}/metrics"
     return out
 
 
@@ -138,19 +141,20 @@ class ServiceAutoscaler:
         assert self.planner is not None
         return self.last_step is None or now - self.last_step >= self.planner.config.interval_s - 0.5
 
-    async def _collect(self, pods: list[Mapping[str, Any]]) -> tuple[MetricsSnapshot | None, list[str]]:
+    async def _collect(self, slices: list[Mapping[str, Any]]) -> tuple[MetricsSnapshot | None, list[str]]:
         if self.prometheus is not None:
             try:
                 return await self.prometheus.collect(), []
             except PrometheusError as e:
                 return None, [str(e)]
         assert self.pods is not None
-        snap = await self.pods.collect(pod_targets(pods))
+        snap = await self.pods.collect(endpoint_targets(slices))
         return snap, list(self.pods.errors)
 
-    def step(self, current: Mapping[str, int], pods: list[Mapping[str, Any]], now: float) -> StepResult:
+    def step(self, current: Mapping[str, int], slices: list[Mapping[str, Any]], now: float) -> StepResult:
+        """slices: the EndpointSlices of the service's router and phase Services (pods source)."""
         assert self.planner is not None
         self.last_step = now
-        snap, errors = asyncio.run(self._collect(pods))
+        snap, errors = asyncio.run(self._collect(slices))
         decision = self.planner.plan(snap, dict(current), now)
         return StepResult(decision, snap, errors)
