@@ -5,6 +5,8 @@
   (drift correction, recreation after deletion) and, for Deployments, refresh the status.
 - Indexes keep the latest InferenceServices and Deployment summaries in memory, so child events
   need no extra reads.
+- A timer per InferenceService in Planner mode runs the autoscaler every autoscaling.interval
+  (metrics, planner and status in phasesplit.operator.metrics.autoscale) and applies its decision.
 
 Handlers are sync functions (kopf runs them in a thread pool); a per-InferenceService lock keeps
 the parent handler and child handlers from applying interleaved, stale intents.
@@ -16,6 +18,7 @@ import copy
 import datetime
 import logging
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
@@ -25,6 +28,7 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from phasesplit.operator import api, reconcile, render
+from phasesplit.operator.metrics import autoscale
 from phasesplit.operator.reconcile import Kube
 from phasesplit.operator.render import Owner
 from phasesplit.operator.status import deployment_summary
@@ -176,7 +180,7 @@ def reconcile_service(body: kopf.Body, meta: kopf.Meta, namespace: str, name: st
             # The CRD's schema rejects what pydantic rejects; reaching here means a rule drifted.
             emit("Warning", "InvalidSpec", str(e)[:1000])
             raise kopf.PermanentError(f"invalid spec: {e}") from e
-        replicas = _replicas(spec, current, meta.get("generation"))
+        replicas = _replicas(spec, current, meta.get("generation"), owner)
         try:
             reconcile.sync_children(kube(), owner, spec, replicas, emit)
         except ApiException as e:
@@ -190,6 +194,7 @@ def reconcile_service(body: kopf.Body, meta: kopf.Meta, namespace: str, name: st
 @kopf.on.delete(*RESOURCE, optional=True)
 def service_deleted(namespace: str, name: str, uid: str, logger: logging.Logger, **_: Any) -> None:
     _written.pop((namespace, name, uid), None)
+    _autoscalers.pop(uid, None)
     # No finalizer: owner references let the garbage collector remove every child.
     logger.info("InferenceService %s deleted; its children go with it (owner references)", name)
 
@@ -224,13 +229,90 @@ def on_child_event(event: Mapping[str, Any], body: kopf.Body, resource: kopf.Res
             return  # the parent handler reports it
         owner = Owner(name=instance, namespace=namespace, uid=refs[0]["uid"])
         status_now = parent.get("status") or {}
-        replicas = _replicas(spec, status_now, parent["metadata"].get("generation"))
+        replicas = _replicas(spec, status_now, parent["metadata"].get("generation"), owner)
         seen = None if deleted else body
         outcome = reconcile.sync_child(kube(), owner, spec, replicas, kind, name, seen, _emitter(parent))
         if outcome != "unchanged":
             logger.info("%s %s: %s", kind, name, outcome)
         if kind == "Deployment":
             _write_status(owner, spec, deployments_by_owner, status_now)
+
+
+# ---------------------------------------------------------------------------------------------
+# autoscaling (Planner mode)
+
+_autoscalers: dict[str, autoscale.ServiceAutoscaler] = {}
+# The timer ticks often and each service decides when its own interval has passed, so a spec's
+# interval (1s and up) is honoured without re-registering timers.
+AUTOSCALE_TICK_S = 1.0
+
+
+def _endpoint_slices(owner: Owner) -> list[dict[str, Any]]:
+    """EndpointSlices of the router and phase Services (the pods metrics source's targets)."""
+    from kubernetes import client
+
+    discovery = client.DiscoveryV1Api(kube().custom.api_client)
+    out = []
+    for component in ("router", *api.PHASES):
+        found = discovery.list_namespaced_endpoint_slice(
+            owner.namespace, label_selector=f"kubernetes.io/service-name={owner.child(component)}").items
+        out += [discovery.api_client.sanitize_for_serialization(s) for s in found]
+    return out
+
+
+@kopf.timer(*RESOURCE, interval=AUTOSCALE_TICK_S, initial_delay=AUTOSCALE_TICK_S)
+def autoscale_service(body: kopf.Body, meta: kopf.Meta, namespace: str, name: str, uid: str,
+                      logger: logging.Logger, deployments_by_owner: kopf.Index, **_: Any) -> None:
+    try:
+        spec = api.InferenceServiceSpec.model_validate(copy.deepcopy(dict(body["spec"])))
+    except ValidationError:
+        return  # the parent handler reports it
+    if spec.autoscaling.mode != "Planner":
+        _autoscalers.pop(uid, None)
+        return
+    scaler = _autoscalers.get(uid)
+    if scaler is None:
+        scaler = _autoscalers[uid] = autoscale.ServiceAutoscaler(spec)
+    scaler.configure(spec)
+    now = time.time()
+    if not scaler.due(now):
+        return
+    owner = Owner(name=name, namespace=namespace, uid=uid)
+    deployments = _deployments(deployments_by_owner, owner)
+    if any(p not in deployments for p in api.PHASES):
+        return  # not reconciled yet
+    current = {p: deployments[p]["desired"] for p in api.PHASES}
+    slices: list[dict[str, Any]] = []
+    if spec.autoscaling.metrics.source == "pods":
+        try:
+            slices = _endpoint_slices(owner)
+        except ApiException as e:
+            logger.warning("listing EndpointSlices failed: %s", reconcile._message(e))
+    result = scaler.step(current, slices, now)  # metrics I/O happens outside the lock
+    for err in result.errors:
+        logger.info("metrics: %s", err)
+    emit = _emitter(body)
+    key = (namespace, name, uid)
+    with _lock(namespace, name):
+        seen = _written.get(key) or copy.deepcopy(dict(body.get("status") or {}))
+        before = seen.get("autoscaling") or {}
+        patch = autoscale.status_patch(result.decision, result.snapshot, now, meta.get("generation"), before)
+        if patch != before:
+            kube().patch_status(namespace, name, {"autoscaling": patch})
+            _written[key] = {**seen, "autoscaling": patch}
+        was_stale = any(c.get("type") == "MetricsAvailable" and c.get("status") == "False"
+                        for c in before.get("conditions") or [])
+        if result.decision.stale and not was_stale:
+            emit("Warning", "MetricsStale", result.decision.prefill.reason)
+        if result.decision.changed:
+            replicas = _replicas(spec, _written.get(key), meta.get("generation"), owner)
+            try:
+                reconcile.sync_children(kube(), owner, spec, replicas, emit)
+            except ApiException as e:
+                logger.warning("applying the planner's decision failed: %s", reconcile._message(e))
+                return
+            emit("Normal", "Scaled", result.decision.reason[:1000])
+            logger.info("autoscaled: %s", result.decision.reason)
 
 
 def _register_children() -> None:
