@@ -78,7 +78,12 @@ def _emitter(parent: Mapping[str, Any]):
 
 
 def _replicas(spec: api.InferenceServiceSpec, status: Mapping[str, Any] | None,
-              generation: int | None) -> dict[str, int | None]:
+              generation: int | None, owner: Owner | None = None) -> dict[str, int | None]:
+    """Replicas to apply now. The planner's decision is read from the status this process last
+    wrote when there is one: the watched copy lags, and applying an older decision would undo
+    the planner's latest scaling until the next event."""
+    if owner is not None:
+        status = _written.get((owner.namespace, owner.name, owner.uid)) or status
     decision = ((status or {}).get("autoscaling") or {}).get("lastDecision")
     parsed = api.Decision.model_validate(decision) if decision else None
     return render.desired_replicas(spec, parsed, generation)
