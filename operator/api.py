@@ -130,6 +130,9 @@ RelativePath = Annotated[
         "x-kubernetes-validations": [cel("!self.contains('..')", "must not contain '..'")],
     }),
 ]
+# CEL rules also run against each `default:` as written (before nested defaults are filled in), so
+# a rule must guard every field it reads with has().
+
 # Kubernetes types too large to mirror field by field: stored as given and validated by the API
 # server when the operator copies them into pod templates.
 FreeObject = Annotated[
@@ -431,7 +434,7 @@ class MetricsSource(ApiModel):
     """Where the autoscaler reads TTFT, ITL and queue metrics."""
 
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [cel(
-        "self.source != 'prometheus' || has(self.url)",
+        "!has(self.source) || self.source != 'prometheus' || has(self.url)",
         "metrics.url is required when metrics.source is prometheus", ".url")]})
 
     source: Literal["pods", "prometheus"] = Field(
@@ -496,7 +499,7 @@ class InferenceServiceSpec(ApiModel):
     """Desired state of a phase-split model deployment: a router, a prefill pool and a decode pool."""
 
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [cel(
-        f"!has(self.kvTransfer) || self.kvTransfer.port != {HTTP_PORT}",
+        f"!has(self.kvTransfer) || !has(self.kvTransfer.port) || self.kvTransfer.port != {HTTP_PORT}",
         f"kvTransfer.port must differ from the runtime's HTTP port {HTTP_PORT}", ".kvTransfer.port")]})
 
     model: ModelSpec = Field(description="The model to serve.")

@@ -51,8 +51,15 @@ def api_client(kubeconfig: str | None = None) -> client.ApiClient:
     return client.ApiClient(cfg)
 
 
-def _rv(obj: Mapping[str, Any] | None) -> str | None:
-    return (obj or {}).get("metadata", {}).get("resourceVersion")
+def _fingerprint(obj: Mapping[str, Any] | None) -> tuple[Any, ...]:
+    """What changes when someone edits an object, but not when a controller updates its status.
+
+    The generation moves only with the spec (objects that have one); labels and owner references
+    are ours too. Without a generation (Services, RBAC objects) the resourceVersion stands in:
+    no controller writes to those.
+    """
+    meta = (obj or {}).get("metadata", {})
+    return (meta.get("generation") or meta.get("resourceVersion"), meta.get("labels"), meta.get("ownerReferences"))
 
 
 def _controlled_by(obj: Mapping[str, Any], uid: str) -> bool:
@@ -143,7 +150,7 @@ def sync_children(kube: Kube, owner: Owner, spec: api.InferenceServiceSpec,
         applied.append(after)
         if before is None:
             emit("Normal", "Created", f"created {_describe(obj)}")
-        elif _rv(before) != _rv(after):
+        elif _fingerprint(before) != _fingerprint(after):
             emit("Normal", "Updated", f"updated {_describe(obj)}")
     wanted = {render.key(o) for o in desired}
     for (kind, name) in sorted(set(existing) - wanted):
@@ -175,7 +182,7 @@ def sync_child(kube: Kube, owner: Owner, spec: api.InferenceServiceSpec, replica
     if seen is None:
         emit("Normal", "Recreated", f"recreated {_describe(obj)} after it was deleted")
         return "recreated"
-    if _rv(after) != _rv(seen):
+    if _fingerprint(after) != _fingerprint(seen):
         emit("Normal", "Reverted", f"reverted a change to {_describe(obj)} that the spec does not want")
         return "reverted"
     return "unchanged"

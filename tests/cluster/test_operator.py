@@ -4,6 +4,10 @@ The chart is installed with helm; its operator image cannot run here (no contain
 only pretends pods run), so the operator runs as a local process that authenticates with a
 TokenRequest token of the chart's ServiceAccount. Every API call it makes is therefore checked
 against the chart's RBAC: a permission the chart forgot fails these tests.
+
+Several test sessions may share one cluster, so everything here is named per session (release,
+namespaces) and this session's operator watches only this session's namespaces (one test runs a
+second, cluster-wide operator to cover the default mode).
 """
 
 from __future__ import annotations
@@ -33,7 +37,10 @@ pytestmark = pytest.mark.cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "phasesplit"
-RELEASE, OPERATOR_NS = "phasesplit", "phasesplit-system"
+SESSION = uuid.uuid4().hex[:6]
+RELEASE = OPERATOR_NS = f"phasesplit-{SESSION}"  # the chart names its objects after the release
+WATCHED = {k: f"op-{SESSION}-{k}" for k in ("samples", "lifecycle", "restart")}
+UNWATCHED = f"op-{SESSION}-invalid"  # validation needs only the API server
 CHILD_SELECTOR = "app.kubernetes.io/managed-by=phasesplit-operator"
 T = TypeVar("T")
 
@@ -56,8 +63,8 @@ def isvc(name: str, spec: dict[str, Any]) -> dict[str, Any]:
 class Operator:
     """`phasesplit operator` as a local process with the chart ServiceAccount's credentials."""
 
-    def __init__(self, kubeconfig: Path, log: Path):
-        self.kubeconfig, self.log = kubeconfig, log
+    def __init__(self, kubeconfig: Path, log: Path, namespaces: list[str]):
+        self.kubeconfig, self.log, self.namespaces = kubeconfig, log, namespaces
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
@@ -71,7 +78,8 @@ class Operator:
         out.write(f"\n===== start {self.starts} =====\n")
         out.flush()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "phasesplit.runtime.cli", "operator", "--liveness", self.health],
+            [sys.executable, "-m", "phasesplit.runtime.cli", "operator", "--liveness", self.health,
+             *[f"--namespace={ns}" for ns in self.namespaces]],
             stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         self.starts += 1
         wait_until("the operator's liveness endpoint", self._live, timeout=60)
@@ -98,18 +106,33 @@ class Operator:
         return "\n".join(self.log.read_text().splitlines()[-lines:])
 
 
+def _create_namespace(cluster: KubeCluster, name: str) -> None:
+    core = client.CoreV1Api(cluster.api_client)
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    # Pods are admitted only once the namespace's `default` ServiceAccount exists.
+    wait_until(f"ServiceAccount {name}/default",
+               lambda: core.list_namespaced_service_account(name, field_selector="metadata.name=default").items)
+
+
 @pytest.fixture(scope="module")
 def helm_release(kube_cluster: KubeCluster) -> Iterator[KubeCluster]:
     helm = os.path.join(kube_cluster.bin_dir, "helm")
-    subprocess.run([helm, "uninstall", RELEASE, "-n", OPERATOR_NS, "--wait"], env=kube_cluster.env,
-                   capture_output=True, text=True)
     out = subprocess.run([helm, "install", RELEASE, str(CHART), "-n", OPERATOR_NS, "--create-namespace"],
                          env=kube_cluster.env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "kubectl apply -f" in out.stdout  # NOTES.txt tells how to apply a sample
+    # Helm installs a chart's CRD only when absent; another session (or an older checkout) may
+    # have installed an older one, so bring it up to date the documented way.
+    kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f",
+                         str(ROOT / "crds" / f"{api.GROUP}_{api.PLURAL}.yaml"))
+    for ns in [*WATCHED.values(), UNWATCHED]:
+        _create_namespace(kube_cluster, ns)
     yield kube_cluster
     subprocess.run([helm, "uninstall", RELEASE, "-n", OPERATOR_NS, "--wait"], env=kube_cluster.env,
                    capture_output=True, text=True, timeout=300)
+    core = client.CoreV1Api(kube_cluster.api_client)
+    for ns in [*WATCHED.values(), UNWATCHED, OPERATOR_NS]:
+        core.delete_namespace(ns)
 
 
 def _service_account_kubeconfig(cluster: KubeCluster, path: Path) -> Path:
@@ -133,7 +156,8 @@ def _service_account_kubeconfig(cluster: KubeCluster, path: Path) -> Path:
 @pytest.fixture(scope="module")
 def operator(helm_release: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
     tmp = tmp_path_factory.mktemp("operator")
-    op = Operator(_service_account_kubeconfig(helm_release, tmp / "kubeconfig"), tmp / "operator.log")
+    op = Operator(_service_account_kubeconfig(helm_release, tmp / "kubeconfig"), tmp / "operator.log",
+                  list(WATCHED.values()))
     op.start()
     yield op
     op.kill(signal.SIGTERM)
@@ -142,13 +166,11 @@ def operator(helm_release: KubeCluster, tmp_path_factory: pytest.TempPathFactory
 
 @pytest.fixture
 def namespace(kube_cluster: KubeCluster) -> Iterator[str]:
-    name = f"op-{uuid.uuid4().hex[:8]}"
-    core = client.CoreV1Api(kube_cluster.api_client)
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
-    wait_until(f"ServiceAccount {name}/default",
-               lambda: core.list_namespaced_service_account(name, field_selector="metadata.name=default").items)
+    """A fresh namespace that this session's operator does not watch."""
+    name = f"op-{SESSION}-{uuid.uuid4().hex[:6]}"
+    _create_namespace(kube_cluster, name)
     yield name
-    core.delete_namespace(name)
+    client.CoreV1Api(kube_cluster.api_client).delete_namespace(name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,7 +261,8 @@ def test_helm_installs_crd_rbac_and_operator(helm_release: KubeCluster, operator
 
 
 @pytest.mark.parametrize("sample", ["smollm2", "gpu"])
-def test_sample_becomes_ready(operator: Operator, kube_cluster: KubeCluster, namespace: str, sample: str):
+def test_sample_becomes_ready(operator: Operator, kube_cluster: KubeCluster, sample: str):
+    namespace = WATCHED["samples"]
     view = View(kube_cluster, namespace)
     doc = yaml.safe_load((ROOT / "manifests" / "samples" / f"{sample}.yaml").read_text())
     name, spec = doc["metadata"]["name"], api.InferenceServiceSpec.model_validate(doc["spec"])
@@ -280,7 +303,8 @@ def test_sample_becomes_ready(operator: Operator, kube_cluster: KubeCluster, nam
 # 3. updates, drift, deletion
 
 
-def test_updates_drift_and_deletion(operator: Operator, kube_cluster: KubeCluster, namespace: str):
+def test_updates_drift_and_deletion(operator: Operator, kube_cluster: KubeCluster):
+    namespace = WATCHED["lifecycle"]
     view = View(kube_cluster, namespace)
     name = "chat"
     view.apply(isvc(name, MINIMAL))  # the issue's minimal object: 1 router, 1 prefill, 2 decode
@@ -360,7 +384,8 @@ def test_updates_drift_and_deletion(operator: Operator, kube_cluster: KubeCluste
 
 
 @pytest.mark.parametrize("case,patch,field", INVALID_SPECS, ids=[c[0] for c in INVALID_SPECS])
-def test_invalid_spec_rejected_naming_the_field(helm_release: KubeCluster, namespace: str, case, patch, field):
+def test_invalid_spec_rejected_naming_the_field(helm_release: KubeCluster, case, patch, field):
+    namespace = UNWATCHED
     out = helm_release.kubectl("apply", "-n", namespace, "-f", "-", check=False,
                                input=json.dumps(isvc(f"bad-{case}", merged(MINIMAL, patch))))
     assert out.returncode != 0, f"{case} was accepted"
@@ -372,7 +397,8 @@ def test_invalid_spec_rejected_naming_the_field(helm_release: KubeCluster, names
     assert got.returncode != 0
 
 
-def test_minimal_object_is_valid_as_written(helm_release: KubeCluster, namespace: str):
+def test_minimal_object_is_valid_as_written(helm_release: KubeCluster):
+    namespace = UNWATCHED
     out = helm_release.kubectl("apply", "--dry-run=server", "-o", "json", "-n", namespace, "-f", "-",
                                input=json.dumps(isvc("chat", MINIMAL)))
     spec = json.loads(out.stdout)["spec"]
@@ -385,8 +411,8 @@ def test_minimal_object_is_valid_as_written(helm_release: KubeCluster, namespace
 # 5. killed mid-reconcile
 
 
-def test_killed_mid_reconcile_converges_without_duplicates(operator: Operator, kube_cluster: KubeCluster,
-                                                           namespace: str):
+def test_killed_mid_reconcile_converges_without_duplicates(operator: Operator, kube_cluster: KubeCluster):
+    namespace = WATCHED["restart"]
     view = View(kube_cluster, namespace)
     names = [f"svc{i}" for i in range(6)]
     # Many services at once, so that the kill lands while children are still being applied.
@@ -415,10 +441,27 @@ def test_killed_mid_reconcile_converges_without_duplicates(operator: Operator, k
     assert after == before
 
 
+def test_cluster_wide_by_default(operator: Operator, kube_cluster: KubeCluster, namespace: str,
+                                 tmp_path: Path):
+    """Without --namespace the operator serves every namespace (with the same ServiceAccount)."""
+    wide = Operator(operator.kubeconfig, tmp_path / "wide.log", [])
+    wide.start()
+    try:
+        view = View(kube_cluster, namespace)
+        view.apply(isvc("wide", MINIMAL))
+        view.wait_ready("wide")
+        assert set(view.children("wide")) == expected_children("wide")
+    finally:
+        wide.kill(signal.SIGTERM)
+    log = wide.log.read_text()
+    for needle in ("Forbidden", "forbidden", "Not enough permissions", "ReconcileFailed"):
+        assert needle not in log, wide.tail()
+
+
 def test_operator_never_lacked_a_permission(operator: Operator):
     """Runs last in this module: the whole log of the ServiceAccount-authenticated operator."""
     log = operator.log.read_text()
-    for needle in ("Forbidden", "403", "Not enough permissions"):
+    for needle in ("Forbidden", "forbidden", "Not enough permissions", "ReconcileFailed"):
         assert needle not in log, operator.tail()
 
 

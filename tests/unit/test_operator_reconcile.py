@@ -163,3 +163,15 @@ def test_controlled_by_checks_uid_and_controller():
     assert reconcile._controlled_by(obj, "uid-1")
     assert not reconcile._controlled_by(obj, "uid-2")
     assert not reconcile._controlled_by({"metadata": {"ownerReferences": [{"uid": "uid-1"}]}}, "uid-1")
+
+
+def test_status_updates_are_not_mistaken_for_edits():
+    seen = {"metadata": {"generation": 3, "resourceVersion": "10", "labels": {"a": "b"}}}
+    status_moved = {"metadata": {"generation": 3, "resourceVersion": "14", "labels": {"a": "b"}}}
+    assert reconcile._fingerprint(seen) == reconcile._fingerprint(status_moved)
+    spec_moved = {"metadata": {"generation": 4, "resourceVersion": "15", "labels": {"a": "b"}}}
+    label_moved = {"metadata": {"generation": 3, "resourceVersion": "16", "labels": {"a": "c"}}}
+    assert reconcile._fingerprint(seen) != reconcile._fingerprint(spec_moved)
+    assert reconcile._fingerprint(seen) != reconcile._fingerprint(label_moved)
+    no_generation = {"metadata": {"resourceVersion": "7"}}
+    assert reconcile._fingerprint(no_generation) != reconcile._fingerprint({"metadata": {"resourceVersion": "8"}})
