@@ -133,7 +133,11 @@ class Server:
             if self.proc.poll() is not None:
                 return f"exited with status {self.proc.returncode}: {self.tail()}"
             try:
-                if httpx.get(url + "/v1/models", timeout=3).status_code == 200:
+                # /v1/models can answer before the workers behind a router are up; a one-token
+                # completion is the readiness check every engine understands.
+                if httpx.get(url + "/v1/models", timeout=3).status_code == 200 and httpx.post(
+                        url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 1},
+                        timeout=60).status_code == 200:
                     return None
             except httpx.HTTPError:
                 pass
