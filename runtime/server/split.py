@@ -288,7 +288,7 @@ def build_decode_app(args: argparse.Namespace) -> FastAPI:
 
     @app.get("/internal/state")
     async def state() -> dict[str, Any]:
-        return {**_state(engine), "kv_port": receiver.port}
+        return {**_state(engine), "kv_port": receiver.port, "kv_rejected": receiver.rejected}
 
     @app.post("/internal/generate")
     async def generate(call: GenerateCall, request: Request):

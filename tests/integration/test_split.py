@@ -1,0 +1,223 @@
+"""Split mode with every role in its own OS process, talking only over loopback sockets."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from phasesplit.runtime.kv.wire import DATA, HEADER_SIZE, Header
+from phasesplit.runtime.model.loader import resolve
+from phasesplit.runtime.model.tokenizer import TextTokenizer
+from tests.procs import Proc, free_port, serve
+from tests.prompts import all_prompt_ids
+
+MODEL = "smollm2-135m-instruct"
+FP32 = ("--dtype", "float32", "--max-model-len", "2048")
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("split-logs")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return all_prompt_ids(TextTokenizer(resolve("smollm2").folder))
+
+
+def start_split(logs, *, prefill_timeout: str = "15s", policy: str = "retry-local", decode_port: int | None = None,
+                prefill: Proc | None = None):
+    prefill = prefill or serve("prefill", logs, *FP32)
+    decode = serve("decode", logs, *FP32, "--prefill-urls", prefill.url, "--prefill-timeout", prefill_timeout,
+                   "--on-prefill-failure", policy, port=decode_port)
+    router = serve("router", logs, *FP32, "--prefill-urls", prefill.url, "--decode-urls", decode.url)
+    for p in (prefill, decode, router):
+        p.wait_ready()
+    return prefill, decode, router
+
+
+@pytest.fixture(scope="module")
+def split(logs):
+    procs = start_split(logs)
+    yield procs
+    for p in procs:
+        p.stop()
+
+
+@pytest.fixture(scope="module")
+def colocated(logs):
+    p = serve("both", logs, *FP32)
+    p.wait_ready()
+    yield p
+    p.stop()
+
+
+def complete(url: str, ids: list[int], max_tokens: int = 24, timeout: float = 120) -> dict:
+    body = {"model": MODEL, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=timeout)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def texts(url: str, prompts: list[list[int]], parallel: int) -> list[str]:
+    with ThreadPoolExecutor(parallel) as pool:
+        return [r["choices"][0]["text"] for r in pool.map(lambda p: complete(url, p), prompts)]
+
+
+def state(url: str) -> dict:
+    return httpx.get(url + "/debug/state", timeout=5).json()
+
+
+def wait_no_blocks(url: str, timeout: float = 20) -> dict:
+    deadline = time.monotonic() + timeout
+    st = state(url)
+    while (st["allocated_blocks"] or st["requests"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        st = state(url)
+    return st
+
+
+def test_split_equals_colocated(split, colocated, prompts):
+    _, decode, router = split
+    reference = texts(colocated.url, prompts, 1)
+    assert texts(router.url, prompts, 1) == reference
+    sixteen = (prompts * 2)[:16]
+    assert texts(router.url, sixteen, 16) == (reference * 2)[:16]
+    assert texts(colocated.url, sixteen, 16) == (reference * 2)[:16]
+    # The KV really moved: the decode worker received bytes and prefilled nothing locally.
+    m = httpx.get(decode.url + "/metrics").text
+    assert float(_sample(m, "phasesplit_kv_transfer_bytes_total")) > 0
+    assert float(_sample(m, "phasesplit_local_prefill_total")) == 0
+    assert wait_no_blocks(decode.url)["allocated_blocks"] == 0
+
+
+def test_router_metrics_include_ttft_itl(split, prompts):
+    router = split[2]
+    complete(router.url, prompts[0], max_tokens=4)
+    m = httpx.get(router.url + "/metrics").text
+    assert float(_sample(m, "phasesplit_time_to_first_token_seconds_count", phase="router")) > 0
+    assert float(_sample(m, "phasesplit_inter_token_latency_seconds_count", phase="router")) > 0
+
+
+def test_garbage_kv_frames_are_rejected(split, prompts):
+    _, decode, router = split
+    kv_port = httpx.get(decode.url + "/internal/state").json()["kv_port"]
+    expected = complete(router.url, prompts[0])["choices"][0]["text"]
+    with ThreadPoolExecutor(2) as pool:
+        fut = pool.submit(complete, router.url, prompts[0])
+        rejected = httpx.get(decode.url + "/internal/state").json()["kv_rejected"]
+        for payload in (b"\x00" * 10, b"GET / HTTP/1.1\r\n\r\n" + b"x" * 80, _truncated_frame()):
+            with socket.create_connection(("127.0.0.1", kv_port)) as s:
+                try:
+                    s.sendall(payload)
+                    s.shutdown(socket.SHUT_WR)
+                    s.recv(16)
+                except OSError:
+                    pass  # the receiver closed on us: that is the point
+        assert fut.result()["choices"][0]["text"] == expected
+    deadline = time.monotonic() + 10
+    while httpx.get(decode.url + "/internal/state").json()["kv_rejected"] < rejected + 3:
+        assert time.monotonic() < deadline, "every bad frame must be rejected"
+        time.sleep(0.1)
+    assert wait_no_blocks(decode.url)["allocated_blocks"] == 0
+
+
+def _truncated_frame() -> bytes:
+    h = Header(DATA, transfer_id=12345, layer=0, token_start=0, num_tokens=4, kv_heads=3, head_dim=64, dtype=1,
+               payload_len=2 * 4 * 3 * 64 * 4)
+    raw = h.pack()
+    assert len(raw) == HEADER_SIZE
+    return raw + struct.pack("<f", 1.0) * 10  # far short of the announced payload
+
+
+def _sample(text: str, name: str, phase: str | None = None) -> str:
+    for line in text.splitlines():
+        if line.startswith(name + "{") and (phase is None or f'phase="{phase}"' in line):
+            return line.rsplit(" ", 1)[1]
+    raise AssertionError(f"{name} missing")
+
+
+def test_kill_prefill_worker_mid_flight(logs, prompts):
+    prefill, decode, router = start_split(logs, prefill_timeout="10s")
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            futs = [pool.submit(_outcome, router.url, p) for p in (prompts * 2)[:8]]
+            time.sleep(1.0)
+            prefill.kill()
+            outcomes = [f.result(timeout=120) for f in futs]
+        # Every request either completed (retried or prefilled locally) or ended with an error event.
+        assert all(o in ("ok", "error") for o in outcomes), outcomes
+        assert outcomes.count("ok") >= 1
+        st = wait_no_blocks(decode.url)
+        assert st["allocated_blocks"] == 0 and st["requests"] == 0, st
+        assert httpx.get(router.url + "/health").status_code == 200
+    finally:
+        for p in (prefill, decode, router):
+            p.stop()
+
+
+def _outcome(url: str, ids: list[int]) -> str:
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=90) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                if "error" in json.loads(line[6:]):
+                    return "error"
+            if line == "data: [DONE]":
+                return "ok"
+    return "cut"
+
+
+def test_fail_policy_gives_error_event(logs, prompts):
+    dead = free_port()  # nothing listens here: every remote prefill fails at once
+    decode = serve("decode", logs, *FP32, "--prefill-urls", f"http://127.0.0.1:{dead}", "--on-prefill-failure", "fail")
+    router = serve("router", logs, *FP32, "--decode-urls", decode.url, "--prefill-urls", f"http://127.0.0.1:{dead}")
+    try:
+        decode.wait_ready()
+        router.wait_ready()
+        assert _outcome(router.url, prompts[0]) == "error"
+        assert wait_no_blocks(decode.url)["allocated_blocks"] == 0
+    finally:
+        decode.stop()
+        router.stop()
+
+
+def test_kill_decode_worker_mid_stream(logs, prompts):
+    prefill, decode, router = start_split(logs)
+    port = int(decode.url.rsplit(":", 1)[1])
+    try:
+        body = {"model": MODEL, "prompt": prompts[0], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        got_error = False
+        t0 = time.monotonic()
+        with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=60) as r:
+            n = 0
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                if "error" in json.loads(line[6:]):
+                    got_error = True
+                    break
+                n += 1
+                if n == 3:
+                    decode.kill()
+                    t0 = time.monotonic()
+        assert got_error, "the client must get an error event, not a silent cut"
+        assert time.monotonic() - t0 < 10
+        assert httpx.get(router.url + "/health").status_code == 200
+        decode2 = serve("decode", logs, *FP32, "--prefill-urls", prefill.url, port=port)
+        decode2.wait_ready()
+        deadline = time.monotonic() + 30
+        while httpx.get(router.url + "/ready").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert complete(router.url, prompts[1], max_tokens=8)["usage"]["completion_tokens"] == 8
+        decode2.stop()
+    finally:
+        for p in (prefill, decode, router):
+            p.stop()
