@@ -36,8 +36,10 @@ def component_state(component: str, summary: Mapping[str, int] | None) -> tuple[
         if component == "prefill":
             return True, "ScaledToZero", "no prefill workers; decode workers prefill locally"
         return False, "ScaledToZero", f"no {component} replicas"
-    if summary["updated"] < desired:
-        return False, "Progressing", f"rolling out: {summary['updated']}/{desired} replicas updated"
+    if summary["updated"] < desired or summary["replicas"] > desired:
+        # Old pods still running (scale-down or rollout in flight) count as not settled.
+        return False, "Progressing", (f"rolling out: {summary['updated']}/{desired} replicas updated, "
+                                      f"{summary['replicas']} running")
     if ready < desired:
         return False, "ReplicasNotReady", f"{ready}/{desired} replicas ready"
     return True, "Available", f"{ready}/{desired} replicas ready"

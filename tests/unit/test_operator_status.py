@@ -44,6 +44,7 @@ def test_not_ready_reasons():
         "stale": "Progressing",
         "rolling": "Progressing",
         "waiting": "ReplicasNotReady",
+        "old-pods-left": "Progressing",
     }
     deps = dict(ALL_READY)
     for case, reason in cases.items():
@@ -53,8 +54,10 @@ def test_not_ready_reasons():
             deps["decode"] = summary(2, 2, generation=3, observed=2)
         elif case == "rolling":
             deps["decode"] = summary(2, 2, updated=1)
-        else:
+        elif case == "waiting":
             deps["decode"] = summary(2, 1)
+        else:
+            deps["decode"] = dict(summary(2, 3), replicas=3)
         st = status.compute_status(OWNER, SPEC, deps, None, T0, 1)
         assert conditions(st)["DecodeReady"] == ("False", reason), case
         assert conditions(st)["Ready"] == ("False", "ComponentsNotReady")
