@@ -54,23 +54,38 @@ ready() {
   kubectl_ get --raw /readyz >/dev/null 2>&1
 }
 
-stop() {
-  [[ -d $state ]] || return 0
-  local c pid i
-  # Reverse start order: clients first, etcd last, so nothing logs errors about a vanished server.
-  for ((i = ${#components[@]} - 1; i >= 0; i--)); do
-    c=${components[i]}
+# stop_group NAME...: SIGTERM to each (those still ours), then waits for all of them together;
+# SIGKILL for any that outlast 10 s.
+stop_group() {
+  local c pids=() names=()
+  for c in "$@"; do
     if is_ours "$c"; then
-      pid=$(cat "$state/pids/$c")
-      kill "$pid" 2>/dev/null || true
-      for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-      if kill -0 "$pid" 2>/dev/null; then
-        say "$c (pid $pid) ignored SIGTERM for 5 s; killing it"
-        kill -9 "$pid" 2>/dev/null || true
-      fi
-      say "stopped $c (pid $pid)"
+      pids+=("$(cat "$state/pids/$c")"); names+=("$c")
+      kill "${pids[-1]}" 2>/dev/null || true
     fi
   done
+  local i left
+  for _ in $(seq 100); do
+    left=0
+    for i in "${pids[@]}"; do kill -0 "$i" 2>/dev/null && left=1; done
+    (( left )) || break
+    sleep 0.1
+  done
+  for i in "${!pids[@]}"; do
+    if kill -0 "${pids[i]}" 2>/dev/null; then
+      say "${names[i]} (pid ${pids[i]}) ignored SIGTERM for 10 s; killing it"
+      kill -9 "${pids[i]}" 2>/dev/null || true
+    fi
+    say "stopped ${names[i]} (pid ${pids[i]})"
+  done
+}
+
+stop() {
+  [[ -d $state ]] || return 0
+  # Clients first, etcd last, so nothing waits on or logs errors about a vanished server.
+  stop_group kwok kube-scheduler kube-controller-manager
+  stop_group kube-apiserver
+  stop_group etcd
   rm -rf "$state"
 }
 
