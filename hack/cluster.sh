@@ -5,7 +5,8 @@
 #
 #   hack/cluster.sh up      start it (or reuse the running one); prints `export KUBECONFIG=...`
 #                           and `export PATH=...` lines on stdout, so: eval "$(hack/cluster.sh up)"
-#   hack/cluster.sh down    stop every process `up` started and remove its state
+#   hack/cluster.sh down    stop every process `up` started and remove its state (refused while
+#                           test sessions use the cluster, unless given --force)
 #   hack/cluster.sh status  exit 0 and print the exports if it is up and ready, else exit 1
 #
 # State (certificates, etcd data, logs, kubeconfig) lives in
@@ -331,8 +332,13 @@ flock 9
 case ${1:-} in
   up) up ;;
   down)
+    # Test sessions using the cluster hold a shared lock on users.lock (tests/kubecluster.py);
+    # pulling it from under them would fail their tests in confusing ways.
+    if [[ ${2:-} != --force && -e $state/users.lock ]] && ! flock -n -x "$state/users.lock" true; then
+      die "test sessions are using the cluster in $state; let them finish, or: $0 down --force"
+    fi
     if [[ -d $state ]]; then stop; say "down; removed $state"; else say "no cluster in $state"; fi ;;
   status)
     if ready; then exports; else say "no ready cluster in $state"; exit 1; fi ;;
-  *) echo "usage: $0 up|down|status" >&2; exit 2 ;;
+  *) echo "usage: $0 up | down [--force] | status" >&2; exit 2 ;;
 esac

@@ -85,10 +85,14 @@ def _parse_exports(stdout: str) -> tuple[str, str]:
     return kubeconfig, bin_dir
 
 
-def _cluster_sh(cmd: str, timeout: float) -> subprocess.CompletedProcess[str]:
+def _cluster_sh(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     # stderr (progress lines) goes straight to the terminal: a cold build is long and should show.
     return subprocess.run(
-        ["bash", str(CLUSTER_SH), cmd], stdout=subprocess.PIPE, stderr=sys.stderr, text=True, timeout=timeout
+        ["bash", str(CLUSTER_SH), *args],
+        stdout=subprocess.PIPE,
+        stderr=sys.stderr,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -104,8 +108,8 @@ def kube_cluster() -> Iterator[KubeCluster]:
     # by whichever session finishes last; one started by hand is left alone.
     users = None
     for _ in range(3):
-        was_up = _cluster_sh("status", 60).returncode == 0
-        up = _cluster_sh("up", UP_TIMEOUT_S)
+        was_up = _cluster_sh("status", timeout=60).returncode == 0
+        up = _cluster_sh("up", timeout=UP_TIMEOUT_S)
         if up.returncode != 0:
             pytest.fail(f"hack/cluster.sh up failed (exit {up.returncode}); see its output above")
         kubeconfig, bin_dir = _parse_exports(up.stdout)
@@ -113,7 +117,7 @@ def kube_cluster() -> Iterator[KubeCluster]:
         users = open(state / "users.lock", "a")  # held all session
         fcntl.flock(users, fcntl.LOCK_SH)
         # Another session may have stopped the cluster between our `up` and our lock.
-        if _cluster_sh("status", 60).returncode == 0:
+        if _cluster_sh("status", timeout=60).returncode == 0:
             if not was_up:
                 (state / STARTED_MARKER).touch()
             break
@@ -138,7 +142,9 @@ def kube_cluster() -> Iterator[KubeCluster]:
                     file=sys.stderr,
                 )
             else:
-                _cluster_sh("down", 120)
+                # We hold the exclusive lock (no other session uses it), which `down` would read as
+                # the cluster being in use.
+                _cluster_sh("down", "--force", timeout=120)
         users.close()
 
 

@@ -344,3 +344,11 @@ def test_cluster_sh_up_reuses_the_running_cluster(kube_cluster: KubeCluster) -> 
     assert f"export PATH={kube_cluster.bin_dir}:$PATH" in again.stdout.splitlines()
     assert elapsed < 30, elapsed
     assert os.path.samefile(kube_cluster.kubeconfig, again.stdout.split("KUBECONFIG=", 1)[1].split()[0])
+
+
+def test_cluster_sh_down_refuses_while_test_sessions_use_it(kube_cluster: KubeCluster) -> None:
+    """This session holds the cluster's users lock, so a plain `down` must leave it running."""
+    refused = subprocess.run(["bash", str(CLUSTER_SH), "down"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0
+    assert "test sessions are using the cluster" in refused.stderr
+    assert kube_cluster.kubectl("get", "--raw", "/readyz").stdout == "ok"
