@@ -19,6 +19,10 @@ from phasesplit.runtime.model.loader import ModelFiles, load_weights, read_confi
 
 log = logging.getLogger(__name__)
 
+# On CPU, memory is shared with everything else on the node; unless asked, do not take more than
+# this for the cache (vLLM's CPU backend defaults to 4 GiB for the same reason).
+CPU_DEFAULT_KV_CAP = 4 << 30
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -90,6 +94,8 @@ class ModelRunner:
         self.max_model_len = min(rc.max_model_len or self.cfg.max_position, self.cfg.max_position)
         per_token = self.cfg.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
         budget = rc.kv_cache_memory or int(available_memory(self.device) * rc.kv_cache_fraction)
+        if rc.kv_cache_memory is None and self.device.type == "cpu":
+            budget = min(budget, CPU_DEFAULT_KV_CAP)
         self.num_blocks = budget // (per_token * self.block_size)
         if self.num_blocks < 2:
             raise ValueError(f"KV cache budget of {budget} bytes holds fewer than 2 blocks "

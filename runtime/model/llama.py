@@ -42,6 +42,27 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv.float()
 
 
+class Linear(nn.Module):
+    """A bias-free linear layer without nn.Linear's random init (weights always come from a file,
+    and initialising on the meta device pulls in seconds of torch imports at start-up)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -49,12 +70,12 @@ class DecoderLayer(nn.Module):
         self.q_size, self.kv_size = q, kv
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = cfg.rms_eps
-        self.attn_norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.qkv = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=False)
-        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
-        self.mlp_norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.attn_norm = nn.Parameter(torch.empty(cfg.hidden_size))
+        self.qkv = Linear(cfg.hidden_size, q + 2 * kv)
+        self.o_proj = Linear(q, cfg.hidden_size)
+        self.mlp_norm = nn.Parameter(torch.empty(cfg.hidden_size))
+        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
+        self.down = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(
         self,
@@ -89,10 +110,10 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.norm = nn.Parameter(torch.empty(cfg.hidden_size))
+        self.lm_head = None if cfg.tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
