@@ -1,0 +1,58 @@
+"""Sampler properties and the KV wire format's rejection of bad frames."""
+
+import pytest
+import torch
+
+from phasesplit.runtime.engine.sampling import Sampler, SamplingParams
+from phasesplit.runtime.kv.wire import DATA, DONE, HEADER_SIZE, FrameError, Header, data_frame, payload_tensor
+
+
+def test_greedy_top_k_top_p_and_seed():
+    logits = torch.tensor([[0.0, 5.0, 1.0, 4.9]])
+    s = Sampler()
+    assert s.sample(logits.clone(), [SamplingParams(temperature=0)], ["a"], [[]]) == [1]
+    # top_k=2 keeps only tokens 1 and 3, top_p small keeps only the top token
+    seen = {s.sample(logits.clone(), [SamplingParams(temperature=1.0, top_k=2)], [f"k{i}"], [[]])[0]
+            for i in range(50)}
+    assert seen <= {1, 3}
+    assert {s.sample(logits.clone(), [SamplingParams(temperature=1.0, top_p=0.01)], [f"p{i}"], [[]])[0]
+            for i in range(20)} == {1}
+    flat = torch.zeros(1, 1000)
+    a = [Sampler().sample(flat.clone(), [SamplingParams(seed=7)], ["x"], [[]])[0] for _ in range(3)]
+    assert len(set(a)) == 1, "same seed, same token"
+
+
+def test_min_tokens_bans_eos():
+    logits = torch.tensor([[0.0, 9.0, 1.0]])
+    assert Sampler().sample(logits, [SamplingParams(temperature=0)], ["a"], [[1]]) == [2]
+
+
+@pytest.mark.parametrize("bad", [
+    SamplingParams(max_tokens=0), SamplingParams(temperature=-0.5), SamplingParams(top_p=0),
+    SamplingParams(min_tokens=5, max_tokens=2)])
+def test_invalid_params(bad):
+    with pytest.raises(ValueError):
+        bad.validate()
+
+
+def test_frame_roundtrip():
+    kv = torch.randn(2, 5, 3, 64).to(torch.bfloat16)
+    head, payload = data_frame(42, 7, 16, kv)
+    h = Header.unpack(head)
+    assert (h.kind, h.transfer_id, h.layer, h.token_start, h.num_tokens) == (DATA, 42, 7, 16, 5)
+    assert torch.equal(payload_tensor(h, bytearray(payload)), kv)
+
+
+def test_bad_headers_are_rejected():
+    good = Header(DONE, 1, value=5).pack()
+    with pytest.raises(FrameError, match="magic"):
+        Header.unpack(b"XXXX" + good[4:])
+    flipped = bytearray(good)
+    flipped[20] ^= 0xFF
+    with pytest.raises(FrameError, match="checksum"):
+        Header.unpack(bytes(flipped))
+    with pytest.raises(FrameError, match="short"):
+        Header.unpack(good[:HEADER_SIZE - 1])
+    lying = Header(DATA, 1, num_tokens=4, kv_heads=3, head_dim=64, dtype=1, payload_len=10).pack()
+    with pytest.raises(FrameError, match="payload length"):
+        Header.unpack(lying)

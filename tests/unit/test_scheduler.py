@@ -1,0 +1,57 @@
+"""Scheduler: token budget, chunked prefill, decode first, preemption by recompute."""
+
+from phasesplit.runtime.engine.block_manager import BlockManager
+from phasesplit.runtime.engine.sampling import SamplingParams
+from phasesplit.runtime.engine.scheduler import Scheduler
+from phasesplit.runtime.engine.sequence import Sequence, Status
+
+
+def run(sched: Scheduler, batch) -> None:
+    """Pretend the model ran: advance computed counts, give finished prefills a token."""
+    for s in batch.decode:
+        s.num_computed += 1
+        s.output_ids.append(7)
+    for s, n in batch.prefill:
+        s.num_computed += n
+        if s.num_computed == len(s):
+            s.output_ids.append(7)
+
+
+def test_long_prompt_is_chunked_and_decode_keeps_going():
+    sched = Scheduler(BlockManager(100, 4, prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=16)
+    short = Sequence("s", [1, 2, 3], SamplingParams())
+    sched.add(short)
+    run(sched, sched.schedule())
+    long = Sequence("l", list(range(50)), SamplingParams())
+    sched.add(long)
+    chunks = []
+    while long.num_computed < 50:
+        b = sched.schedule()
+        assert short in b.decode, "the running stream gets a token every step"
+        assert b.num_tokens <= 16
+        chunks.append(dict((s.request_id, n) for s, n in b.prefill).get("l", 0))
+        run(sched, b)
+    assert chunks == [15, 15, 15, 5]
+
+
+def test_preempts_newest_when_cache_is_full():
+    bm = BlockManager(4, 2, prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    a = Sequence("a", [1, 2, 3, 4], SamplingParams())
+    b = Sequence("b", [5, 6, 7, 8], SamplingParams())
+    sched.add(a)
+    sched.add(b)
+    run(sched, sched.schedule())  # both prefilled: 2 blocks each, cache full
+    assert bm.num_free == 0
+    batch = sched.schedule()  # both need a third block for token 5: b (newest) is preempted
+    assert [s.request_id for s in batch.decode] == ["a"] and batch.preempted == [b]
+    assert b.status is Status.WAITING and b.num_computed == 0 and not b.block_table
+    assert sched.num_preemptions == 1
+
+
+def test_admission_respects_max_num_seqs():
+    sched = Scheduler(BlockManager(100, 4), max_num_seqs=2, max_num_batched_tokens=100)
+    for i in range(3):
+        sched.add(Sequence(str(i), [i, i + 1], SamplingParams()))
+    b = sched.schedule()
+    assert len(b.prefill) == 2 and len(sched.waiting) == 1
