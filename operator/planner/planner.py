@@ -32,12 +32,13 @@ class PlannerConfig:
     max_pd_ratio: float | None = None
     interval_s: float = 15.0
     stale_after_s: float | None = None  # default: three intervals
-    margin: float = 0.85  # size for this fraction of each target: room for noise and forecast error
-    max_utilisation: float = 0.85  # prefill pool utilisation ceiling, whatever the queueing model says
+    margin: float = 0.9  # size for this fraction of each target: room for noise and forecast error
+    max_utilisation: float = 0.9  # prefill pool utilisation ceiling, whatever the queueing model says
     kv_headroom: float = 0.15  # free KV fraction kept on decode (bursts, prefix growth)
     kv_high: float = 0.92  # KV usage at which decode, not prefill, is blamed for TTFT
     prompt_scv: float = 1.0  # squared CV of prompt length (production traces: ≈0.9)
     max_miss_factor: float = 2.0  # largest one-step multiplier on an observed SLO miss
+    tolerance: float = 0.1  # extra load a scale-down must still fit
     confirm_windows: int = 2  # consecutive windows a prediction-only scale-up must persist
     startup_s: float = 60.0  # a new replica's time to ready; with the interval, the reaction time
     surge_memory_s: float = 1800.0  # how long a seen surge keeps headroom in place
@@ -46,6 +47,15 @@ class PlannerConfig:
     @property
     def stale_after(self) -> float:
         return self.stale_after_s if self.stale_after_s is not None else 3 * self.interval_s
+
+
+def _scaled(snap: MetricsSnapshot, rate: float) -> MetricsSnapshot:
+    """The snapshot at another request rate with the same work per request."""
+    if not snap.request_rate or rate == snap.request_rate:
+        return snap
+    k = rate / snap.request_rate
+    return replace(snap, request_rate=rate, prompt_token_rate=(snap.prompt_token_rate or 0) * k,
+                   generation_token_rate=(snap.generation_token_rate or 0) * k)
 
 
 @dataclass(frozen=True)
@@ -132,14 +142,16 @@ class Planner:
         calibration = self.model.calibrate(snap, cfg.prompt_scv, cfg.kv_high) if healthy else []
 
         plan_rate, surge = self.surge(now, snap.request_rate)
-        sized = snap
-        if plan_rate > snap.request_rate:
-            # Size for the surge rate with the same per-request work.
-            k = plan_rate / snap.request_rate
-            sized = replace(snap, request_rate=plan_rate, prompt_token_rate=(snap.prompt_token_rate or 0) * k,
-                            generation_token_rate=(snap.generation_token_rate or 0) * k)
-        rec_p, why_p, ttft_pred, ttft_ok = self._size_prefill(sized)
-        rec_d, why_d, itl_pred = self._size_decode(sized)
+        rec_p, why_p, ttft_pred, ttft_ok = self._size_prefill(_scaled(snap, plan_rate))
+        rec_d, why_d, itl_pred = self._size_decode(_scaled(snap, plan_rate))
+        # Tolerance against flapping (HPA's is 10 %): a phase shrinks only if it would still
+        # shrink with that much more load than measured.
+        if rec_p < current["prefill"]:
+            rec_p = max(rec_p, min(current["prefill"],
+                                   self._size_prefill(_scaled(snap, plan_rate * (1 + cfg.tolerance)))[0]))
+        if rec_d < current["decode"]:
+            rec_d = max(rec_d, min(current["decode"],
+                                   self._size_decode(_scaled(snap, plan_rate * (1 + cfg.tolerance)))[0]))
         if plan_rate > snap.request_rate:
             note = f" (surge headroom ×{surge:.2f}: sized for {plan_rate:.1f} req/s)"
             why_p += note
@@ -160,31 +172,34 @@ class Planner:
         # part of TTFT responds to replicas, so the miss is measured against the wait budget
         # left after a long prompt's own service time; a miss that service time alone explains
         # (the longest prompts of the window) buys nothing.
-        # An SLO already missed beats any model. TTFT covers every wait before the first token,
-        # so the miss goes to the phase whose queue explains it; with a queue in view the
-        # model's backlog sizing above already answers it, and the proportional rule is for a
-        # miss no queue explains (the model is off): scale prefill at once in proportion to it,
-        # from the replicas actually serving (those still starting are on their way). Only
-        # the queueing part of TTFT responds to replicas, so the miss is measured against the
-        # wait budget left after a long prompt's own service time; a miss that service time
-        # alone explains (the longest prompts of the window) buys nothing.
+        # An SLO already missed beats any model (a prior can be far off, and calibration waits
+        # for healthy windows): scale the phase responsible at once, in proportion to the miss,
+        # from the replicas actually serving (those still starting are on their way). TTFT
+        # covers every wait before the first token, so the miss goes to the phase whose queue
+        # explains it (prefill backlog, KV exhaustion, or both; prefill when neither). Only the
+        # queueing part of TTFT responds to replicas, so the miss is measured against the wait
+        # budget left after a long prompt's own service time; a miss that service time alone
+        # explains (the window's longest prompts) buys nothing.
         floor = self._prefill_floor(snap)
         # KV exhaustion that ended in the previous window still shows in this window's TTFT
         # (those requests got their first token late): already answered, not prefill's miss.
         decode_recovered = self.decode_bound_before and not decode_bound
         self.decode_bound_before = decode_bound
         if (snap.ttft_p is not None and snap.ttft_p > cfg.ttft_s and cfg.ttft_s - floor > 0.2 * cfg.ttft_s
-                and not prefill_backlog and not decode_recovered):
+                and not (decode_recovered and not prefill_backlog)):
             factor = min((snap.ttft_p - floor) / (cfg.ttft_s - floor), cfg.max_miss_factor)
-            phase = "decode" if decode_bound else "prefill"
-            base = (snap.ready_decode if decode_bound else snap.ready_prefill) or current[phase]
-            want = math.ceil(base * factor)
-            why = (f"TTFT p{cfg.percentile * 100:g} {snap.ttft_p * 1000:.0f}ms > {cfg.ttft_s * 1000:.0f}ms"
-                   f"{' with KV full' if decode_bound else ''}: ×{factor:.2f}")
-            if phase == "prefill" and want > rec_p:
-                rec_p, why_p, urgent["prefill"] = want, why, True
-            elif phase == "decode" and want > rec_d:
-                rec_d, why_d, urgent["decode"] = want, why, True
+            phases = ["decode"] if decode_bound and not prefill_backlog else ["prefill"]
+            if decode_bound and prefill_backlog:
+                phases.append("decode")
+            for phase in phases:
+                base = (snap.ready_decode if phase == "decode" else snap.ready_prefill) or current[phase]
+                want = math.ceil(base * factor)
+                why = (f"TTFT p{cfg.percentile * 100:g} {snap.ttft_p * 1000:.0f}ms > {cfg.ttft_s * 1000:.0f}ms"
+                       f"{' with KV full' if phase == 'decode' else ''}: ×{factor:.2f}")
+                if phase == "prefill" and want > rec_p:
+                    rec_p, why_p, urgent["prefill"] = want, why, True
+                elif phase == "decode" and want > rec_d:
+                    rec_d, why_d, urgent["decode"] = want, why, True
         if snap.itl_p is not None and snap.itl_p > cfg.itl_s:
             factor = min(snap.itl_p / cfg.itl_s, cfg.max_miss_factor)
             want = math.ceil((snap.ready_decode or current["decode"]) * factor)

@@ -32,36 +32,41 @@ def runtime(tmp_path_factory):
         proc.stop()
 
 
-@pytest.fixture(scope="module")
-def prometheus(runtime, tmp_path_factory):
+def start_prometheus(targets: list[str], workdir: Path) -> tuple[subprocess.Popen, str]:
+    """The real Prometheus server scraping `targets` (host:port) every SCRAPE_S; returns (process, URL)."""
     binary = shutil.which("prometheus")
     assert binary, "the prometheus server is missing: run hack/setup.sh (hack/setup.d/60-prometheus.sh)"
-    d = tmp_path_factory.mktemp("prometheus")
-    target = runtime.url.removeprefix("http://")
-    (d / "prometheus.yml").write_text(
+    listed = ", ".join(f"'{t}'" for t in targets)
+    (workdir / "prometheus.yml").write_text(
         f"global:\n  scrape_interval: {SCRAPE_S}s\n  evaluation_interval: {SCRAPE_S}s\n"
-        f"scrape_configs:\n  - job_name: phasesplit\n    static_configs:\n      - targets: ['{target}']\n")
+        f"scrape_configs:\n  - job_name: phasesplit\n    static_configs:\n      - targets: [{listed}]\n")
     port = free_port()
-    log = open(d / "prometheus.log", "wb")
-    p = subprocess.Popen([binary, f"--config.file={d / 'prometheus.yml'}", f"--storage.tsdb.path={d / 'data'}",
-                          f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+    log = open(workdir / "prometheus.log", "wb")
+    p = subprocess.Popen([binary, f"--config.file={workdir / 'prometheus.yml'}",
+                          f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                         stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(url + "/-/ready", timeout=2).status_code == 200:
+                return p, url
+        except httpx.HTTPError:
+            pass
+        if p.poll() is not None or time.monotonic() > deadline:
+            p.kill()
+            raise RuntimeError("prometheus did not become ready: " + (workdir / "prometheus.log").read_text()[-2000:])
+        time.sleep(0.3)
+
+
+@pytest.fixture(scope="module")
+def prometheus(runtime, tmp_path_factory):
+    p, url = start_prometheus([runtime.url.removeprefix("http://")], tmp_path_factory.mktemp("prometheus"))
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/-/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert p.poll() is None, (d / "prometheus.log").read_text()[-2000:]
-            assert time.monotonic() < deadline, "prometheus did not become ready"
-            time.sleep(0.3)
         yield url
     finally:
         p.terminate()
         p.wait(timeout=30)
-        log.close()
 
 
 def model_name(url: str) -> str:
