@@ -29,6 +29,7 @@ from phasesplit.runtime.kv.wire import (
     Header,
     payload_tensor,
 )
+from phasesplit.runtime.model.attention import write_rows
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class KVReceiver:
 
     def _serve(self, conn: socket.socket, peer) -> None:
         tid = None
+        buf = bytearray()  # reused across this connection's frames: no allocation per layer
         try:
             with conn:
                 while True:
@@ -93,7 +95,9 @@ class KVReceiver:
                     h = Header.unpack(raw)
                     tid = h.transfer_id
                     if h.kind == DATA:
-                        self._data(conn, h)
+                        if len(buf) < h.payload_len:
+                            buf = bytearray(h.payload_len)
+                        self._data(conn, h, memoryview(buf)[: h.payload_len])
                     elif h.kind == DONE:
                         ok = self._done(h)
                         conn.sendall(Header(ACK if ok else NACK, h.transfer_id).pack())
@@ -105,7 +109,7 @@ class KVReceiver:
             if tid is not None:
                 self._fail(tid, f"KV transfer from {peer} failed: {e}")
 
-    def _data(self, conn: socket.socket, h: Header) -> None:
+    def _data(self, conn: socket.socket, h: Header, payload: memoryview) -> None:
         with self.lock:
             exp = self.transfers.get(h.transfer_id)
         if exp is None:
@@ -118,7 +122,6 @@ class KVReceiver:
         if h.token_start != exp.filled[h.layer] or end > len(exp.slots):
             raise FrameError(f"layer {h.layer} tokens [{h.token_start},{end}) out of order or past the "
                              f"reservation (expected start {exp.filled[h.layer]}, {len(exp.slots)} tokens)")
-        payload = bytearray(h.payload_len)
         if not _recv_into(conn, payload):
             raise FrameError(f"truncated payload ({h.payload_len} bytes announced)")
         kv = payload_tensor(h, payload).to(self.kv_cache.device, non_blocking=True)
@@ -126,8 +129,8 @@ class KVReceiver:
         with self.lock:
             if self.transfers.get(h.transfer_id) is not exp:
                 raise FrameError(f"transfer {h.transfer_id} was cancelled mid-frame")
-            self.kv_cache[0, h.layer].index_copy_(0, idx, kv[0])
-            self.kv_cache[1, h.layer].index_copy_(0, idx, kv[1])
+            write_rows(self.kv_cache[0, h.layer], idx, kv[0])
+            write_rows(self.kv_cache[1, h.layer], idx, kv[1])
             exp.filled[h.layer] = end
             exp.bytes += h.payload_len
         self.on_bytes(h.payload_len)
@@ -164,9 +167,9 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
-def _recv_into(conn: socket.socket, buf: bytearray) -> bool:
-    view, got = memoryview(buf), 0
-    while got < len(buf):
+def _recv_into(conn: socket.socket, view: memoryview) -> bool:
+    got = 0
+    while got < view.nbytes:
         k = conn.recv_into(view[got:])
         if k == 0:
             return False

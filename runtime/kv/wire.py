@@ -94,6 +94,6 @@ def data_frame(transfer_id: int, layer: int, token_start: int, kv: torch.Tensor)
     return h.pack(), payload
 
 
-def payload_tensor(h: Header, payload: bytearray) -> torch.Tensor:
+def payload_tensor(h: Header, payload: bytearray | memoryview) -> torch.Tensor:
     t = torch.frombuffer(payload, dtype=torch.uint8).view(CODE_DTYPES[h.dtype])
     return t.view(2, h.num_tokens, h.kv_heads, h.head_dim)

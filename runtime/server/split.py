@@ -22,6 +22,7 @@ from dataclasses import asdict
 from typing import Any
 
 import httpx
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
@@ -32,6 +33,7 @@ from phasesplit.runtime.engine.scheduler import ScheduledBatch
 from phasesplit.runtime.engine.sequence import Sequence
 from phasesplit.runtime.kv.receiver import KVReceiver
 from phasesplit.runtime.kv.sender import KVSender, TransferFailed
+from phasesplit.runtime.model.attention import read_rows
 from phasesplit.runtime.server.async_engine import AsyncEngine
 from phasesplit.runtime.server.launch import add_debug_routes, build_engine
 from phasesplit.runtime.server.metrics import Metrics
@@ -113,7 +115,8 @@ class LayerStreamer(KVExport):
         cache = self.engine.runner.kv_cache
         for seq, lo, hi, sender in self.items:
             slots = self.engine.runner.slots(seq, lo, hi)
-            sender.send_layer(layer, lo, cache[:, layer, slots].to("cpu"))
+            k, v = read_rows(cache[0, layer], slots), read_rows(cache[1, layer], slots)
+            sender.send_layer(layer, lo, torch.stack((k, v)).to("cpu"))
 
 
 def build_prefill_app(args: argparse.Namespace) -> FastAPI:
