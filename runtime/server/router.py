@@ -173,43 +173,55 @@ class RemoteBackend:
             raise RuntimeError(f"decode worker {worker.url} failed: {e or type(e).__name__}") from None
 
 
-def watch_kubernetes(backend: RemoteBackend, args: argparse.Namespace) -> None:
-    """Keep the pools equal to the ready endpoints of the phase Services (a watch, not a poll)."""
-    from kubernetes import client, config, watch
+def slice_urls(obj) -> list[str]:
+    """Worker URLs of one EndpointSlice: ready endpoints only, on the port named http (or the first)."""
+    ports = obj.ports or []
+    port = next((p.port for p in ports if p.name == "http"), ports[0].port if ports else 8000)
+    return [f"http://{addr}:{port}" for ep in obj.endpoints or []
+            if ep.conditions is None or ep.conditions.ready is not False for addr in ep.addresses]
+
+
+def watch_kubernetes(pools: dict[str, Pool], namespace: str, api_client=None,
+                     stop: threading.Event | None = None) -> None:
+    """Keep each pool equal to the ready endpoints of its Service (pools: service name -> Pool).
+
+    A watch on the Services' EndpointSlices, resumed after every timeout or API error, so a pod
+    that turns ready or goes away is seen within moments rather than at the next poll.
+    """
+    from kubernetes import client, watch
+
+    api = client.DiscoveryV1Api(api_client)
+    slices: dict[str, tuple[str, list[str]]] = {}  # slice name -> (service, urls)
+    selector = "kubernetes.io/service-name in ({})".format(",".join(pools))
+    while stop is None or not stop.is_set():
+        try:
+            w = watch.Watch()
+            for ev in w.stream(api.list_namespaced_endpoint_slice, namespace, label_selector=selector,
+                               timeout_seconds=30):
+                obj = ev["object"]
+                if ev["type"] == "DELETED":
+                    slices.pop(obj.metadata.name, None)
+                else:
+                    slices[obj.metadata.name] = (obj.metadata.labels.get("kubernetes.io/service-name"),
+                                                 slice_urls(obj))
+                for svc, pool in pools.items():
+                    pool.set_urls(sorted({u for s, us in slices.values() if s == svc for u in us}))
+                if stop is not None and stop.is_set():
+                    return
+        except Exception as e:  # noqa: BLE001 - API hiccups must not kill discovery
+            log.warning("endpoint watch failed, retrying: %s", e)
+            time.sleep(2)
+
+
+def _kubernetes_discovery(backend: RemoteBackend, args: argparse.Namespace) -> None:
+    from kubernetes import config
 
     try:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
-    api = client.DiscoveryV1Api()
-    namespace = args.namespace or _own_namespace()
-    services = {args.prefill_service: backend.prefill, args.decode_service: backend.decode}
-    slices: dict[str, tuple[str, list[str]]] = {}  # slice name -> (service, urls)
-
-    def refresh() -> None:
-        for svc, pool in services.items():
-            urls = sorted({u for s, us in slices.values() if s == svc for u in us})
-            pool.set_urls(urls)
-
-    selector = "kubernetes.io/service-name in ({})".format(",".join(services))
-    while True:
-        try:
-            w = watch.Watch()
-            for ev in w.stream(api.list_namespaced_endpoint_slice, namespace, label_selector=selector,
-                               timeout_seconds=300):
-                obj = ev["object"]
-                svc = obj.metadata.labels.get("kubernetes.io/service-name")
-                port = next((p.port for p in obj.ports or [] if p.name in (None, "http")), 8000)
-                urls = [f"http://{addr}:{port}" for ep in obj.endpoints or []
-                        if ep.conditions is None or ep.conditions.ready for addr in ep.addresses]
-                if ev["type"] == "DELETED":
-                    slices.pop(obj.metadata.name, None)
-                else:
-                    slices[obj.metadata.name] = (svc, urls)
-                refresh()
-        except Exception as e:  # noqa: BLE001 - API hiccups must not kill discovery
-            log.warning("endpoint watch failed, retrying: %s", e)
-            time.sleep(2)
+    pools = {args.prefill_service: backend.prefill, args.decode_service: backend.decode}
+    watch_kubernetes(pools, args.namespace or _own_namespace())
 
 
 def _own_namespace() -> str:
@@ -245,7 +257,7 @@ def build_router_app(args: argparse.Namespace) -> FastAPI:
     @app.on_event("startup")
     async def _start() -> None:
         if args.discovery == "kubernetes":
-            threading.Thread(target=watch_kubernetes, args=(backend, args), daemon=True).start()
+            threading.Thread(target=_kubernetes_discovery, args=(backend, args), daemon=True).start()
         app.state.poller = asyncio.create_task(backend.poll_forever())
 
     @app.get("/internal/workers")
