@@ -64,6 +64,14 @@ def trace_offsets(specs: Sequence[RequestSpec]) -> list[float]:
     return [float(s.arrival_s) for s in specs]  # type: ignore[arg-type]
 
 
+class Interrupted(Exception):
+    """The run was cancelled; carries the requests that completed before it and the duration."""
+
+    def __init__(self, results: list[RequestResult], duration_s: float):
+        super().__init__("interrupted")
+        self.results, self.duration_s = results, duration_s
+
+
 Send = Callable[[RequestSpec, str], Awaitable[RequestResult]]
 
 
@@ -125,14 +133,23 @@ async def run_schedule(
 
     t0 = time.perf_counter()
     tasks = []
-    for spec, prompt, off in zip(specs, prompts, offsets, strict=True):
-        if breaker is not None and breaker.tripped:
-            break
-        delay = t0 + off - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(spec, prompt)))
-    await asyncio.gather(*tasks)
+    try:
+        for spec, prompt, off in zip(specs, prompts, offsets, strict=True):
+            if breaker is not None and breaker.tripped:
+                break
+            delay = t0 + off - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(spec, prompt)))
+        await asyncio.gather(*tasks)
+    except asyncio.CancelledError:
+        # Ctrl-C or SIGTERM: stop in-flight requests and hand back what finished.
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        end = time.perf_counter()
+        results.sort(key=lambda r: r.index)
+        raise Interrupted(results, end - (first_send[0] if first_send else end)) from None
     end = time.perf_counter()
     duration = end - (first_send[0] if first_send else end)
     results.sort(key=lambda r: r.index)

@@ -5,7 +5,9 @@ rate, report. Results are written after every rate, so a failure later keeps wha
 from __future__ import annotations
 
 import argparse
+import asyncio
 import math
+import signal
 import sys
 import time
 from pathlib import Path
@@ -14,7 +16,7 @@ import httpx
 
 from . import report
 from .client import BenchError, Target, choose_model, probe, served_models, stream_one
-from .load import ErrorBreaker, arrival_offsets, run_schedule, trace_offsets
+from .load import ErrorBreaker, Interrupted, arrival_offsets, run_schedule, trace_offsets
 from .metrics import RequestResult, summarize, summarize_by_kind
 from .workload import (
     HFTokenizer,
@@ -144,8 +146,18 @@ def _save(args: argparse.Namespace, doc: dict) -> None:
 
 async def run_bench(args: argparse.Namespace, started: str, argv: list[str], api_key: str | None) -> int:
     doc = _doc(args, started, argv)
+    # SIGINT/SIGTERM cancel the run; the rate in progress is summarised from what completed.
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
     try:
         return await _run(args, doc, api_key)
+    except asyncio.CancelledError:
+        doc["error"] = "interrupted"
+        _say("interrupted" + (f"; results so far kept in {args.output_json}" if args.output_json else ""))
+        _save(args, doc)
+        return 130
     except (BenchError, WorkloadError) as e:
         doc["error"] = str(e)
         _say(f"error: {e}")
@@ -217,9 +229,12 @@ async def _run(args: argparse.Namespace, doc: dict, api_key: str | None) -> int:
             prompts = prompts_for(specs)
             breaker = ErrorBreaker(args.max_consecutive_errors)
             bar = report.progress(len(specs), f"{label} rate {rl}", args.progress)
+            interrupted = False
             try:
                 results, duration = await run_schedule(specs, prompts, offsets, _sender(client, target),
                                                        args.max_concurrency, lambda _r, b=bar: b.update(1), breaker)
+            except Interrupted as e:
+                results, duration, interrupted = e.results, e.duration_s, True
             finally:
                 bar.close()
             summary = summarize(results, duration if duration > 0 else 1e-9, args.slo) if results else None
@@ -231,6 +246,8 @@ async def _run(args: argparse.Namespace, doc: dict, api_key: str | None) -> int:
             _save(args, doc)
             if summary is not None:
                 print(report.format_summary(summary, f"{label} @ {rl} req/s"), flush=True)
+            if interrupted:
+                raise asyncio.CancelledError
             if breaker.tripped:
                 raise BenchError(f"stopped at rate {rl}: the first {breaker.failed_in_row} requests all failed; "
                                  f"last error: {results[-1].error if results else 'none'}")

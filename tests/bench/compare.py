@@ -330,7 +330,7 @@ def render(results: Path, img_dir: Path) -> str:
          "Goodput = requests meeting both per second; SLO met = share of all requests meeting both. "
          "Latencies in ms. ITL p50/p99 pool every token gap of every request.",
          "",
-         "Regenerate: `hack/bench-peers.sh && ~/.cache/phasesplit/venv/bin/python tests/bench/compare.py` "
+         "Regenerate: `hack/bench-compare.sh` "
          "(about 30 minutes; only on an otherwise idle machine).", ""]
     L += ["### Split vs colocated", ""]
     for workload in WORKLOADS:

@@ -200,3 +200,25 @@ def _generated_tokens(url: str) -> float:
         return 0.0
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("phasesplit_generation_tokens_total"))
+
+
+def test_interrupt_keeps_partial_results(server, tmp_path):
+    out = tmp_path / "r.json"
+    before = _generated_tokens(server)
+    b = subprocess.Popen([PHASESPLIT, "bench", "--no-progress", "--url", server, "--input-len", "32",
+                          "--output-len", "32", "--num-prompts", "40", "--max-concurrency", "1", "--warmup", "0",
+                          "--output-json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Interrupt once a few requests have finished (a condition, not a timer).
+    for _ in range(1200):
+        if b.poll() is not None or _generated_tokens(server) - before >= 32 * 3:
+            break
+        time.sleep(0.25)
+    b.send_signal(signal.SIGINT)
+    _, err = b.communicate(timeout=120)
+    assert b.returncode == 130, err
+    assert "interrupted" in err
+    doc = json.loads(out.read_text())
+    assert doc["error"] == "interrupted"
+    run = doc["runs"][0]
+    assert 3 <= run["summary"]["completed"] < 40
+    assert all(r["ok"] for r in run["results"])  # in-flight requests are dropped, not counted as failures

@@ -202,3 +202,33 @@ def test_error_breaker_tolerates_errors_after_a_success():
         b.record(RequestResult(i, "x", 1, 1, ok=False))
     assert not b.tripped
     assert not ErrorBreaker(0).tripped
+
+
+def test_cancelled_run_hands_back_finished_requests():
+    from phasesplit.runtime.bench.load import Interrupted
+
+    release = None
+
+    async def send(spec, prompt):
+        if spec.index >= 3:
+            await release.wait()  # never set: these are in flight when the run is cancelled
+        return RequestResult(spec.index, spec.kind, spec.prompt_len, spec.output_len, ok=True)
+
+    async def main():
+        nonlocal release
+        release = asyncio.Event()
+        done = []
+        task = asyncio.create_task(run_schedule(fixed_workload(6, 4, 4), ["p"] * 6, [0.0] * 6, send,
+                                                on_done=done.append))
+        while len(done) < 3:
+            await asyncio.sleep(0)
+        task.cancel()
+        try:
+            await task
+        except Interrupted as e:
+            return e
+        raise AssertionError("run_schedule did not report the interruption")
+
+    e = asyncio.run(main())
+    assert [r.index for r in e.results] == [0, 1, 2]
+    assert e.duration_s >= 0
