@@ -54,6 +54,7 @@ RATES = {"prefill-heavy": [0.25, 0.5, 1.0], "decode-heavy": [0.25, 0.5, 1.0], "m
 PEER_WORKLOADS = {"mixed": [0.5, 1.0], "decode-heavy": [0.25, 0.5]}
 SECONDS_PER_POINT = 40  # measured requests per point = rate x this, within [MIN, MAX]
 MIN_PROMPTS, MAX_PROMPTS = 8, 40
+POINT_LIMIT_S = 150  # a point that has not finished by then is cut (an overloaded server)
 
 
 @dataclass
@@ -170,6 +171,22 @@ def bench_command(system: System, url: str, workload: str, rate: float, n: int, 
             "--output-json", str(out)]
 
 
+def run_point(cmd: list[str]) -> tuple[int | None, str]:
+    """One bench call, cut with SIGINT (the bench keeps what finished) if it overruns."""
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = p.communicate(timeout=POINT_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGINT)
+        try:
+            _, err = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+        err = f"cut after {POINT_LIMIT_S} s (the server could not keep up); " + err
+    return p.returncode, err[-1500:]
+
+
 def measure(names: list[str], results: Path, scale: float, only_workloads: list[str] | None,
             only_rates: list[float] | None = None) -> None:
     results.mkdir(parents=True, exist_ok=True)
@@ -196,11 +213,7 @@ def measure(names: list[str], results: Path, scale: float, only_workloads: list[
                         out = results / f"{name}--{workload}--{rate:g}.json"
                         cmd = bench_command(system, url, workload, rate, n_prompts(rate, scale), out)
                         print(f"[compare] {name} {workload} @ {rate:g}/s", file=sys.stderr, flush=True)
-                        try:
-                            p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-                            rc, err = p.returncode, p.stderr[-1500:]
-                        except subprocess.TimeoutExpired:
-                            rc, err = None, "bench timed out after 900 s"
+                        rc, err = run_point(cmd)
                         meta["points"].append({"workload": workload, "rate": rate, "json": out.name,
                                                "command": cmd, "rc": rc, "stderr": err if rc else ""})
                         if server.proc.poll() is not None:
@@ -245,15 +258,21 @@ def _ms(x: float) -> str:
 def _table(data: dict, workload: str, names: list[str]) -> list[str]:
     if not any(w == workload for name in names for (w, _) in data.get(name, {}).get("points", {})):
         return ["(not measured in this run)"]
-    rows = ["| system | rate (req/s) | ok/sent | goodput (req/s) | SLO met | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 "
+    rows = ["| system | rate (req/s) | ok/planned | goodput (req/s) | SLO met | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 "
             "| TPOT p50 | output tok/s |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name in names:
         pts = sorted((r, run) for (w, r), run in data.get(name, {}).get("points", {}).items() if w == workload)
         for rate, run in pts:
             s = run["summary"]
-            rows.append(f"| {name} | {rate:g} | {s['completed']}/{s['requests']} | {s['goodput']:.2f} "
-                        f"| {s['slo_attainment'] * 100:.0f}% | {_ms(s['ttft_s']['p50'])} | {_ms(s['ttft_s']['p99'])} "
+            planned = run.get("planned", s["requests"])
+            sent = f"{s['completed']}/{planned}"
+            # Requests never finished (a cut point) count as missing the SLOs.
+            met = s["slo_attainment"] * s["requests"] / planned if planned else math.nan
+            if run["error"] == "interrupted":
+                sent += f" (cut at {POINT_LIMIT_S} s)"
+            rows.append(f"| {name} | {rate:g} | {sent} | {s['goodput']:.2f} "
+                        f"| {met * 100:.0f}% | {_ms(s['ttft_s']['p50'])} | {_ms(s['ttft_s']['p99'])} "
                         f"| {_ms(s['itl_s']['p50'])} | {_ms(s['itl_s']['p99'])} | {_ms(s['tpot_s']['p50'])} "
                         f"| {s['output_throughput']:.1f} |")
     return rows
