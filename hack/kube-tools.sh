@@ -33,7 +33,7 @@ die() { say "error: $*"; exit 1; }
 # The Go caches live under our cache so CI and developers reuse compiled packages across runs.
 export GOCACHE=$cache/go/build GOMODCACHE=$cache/go/mod
 export CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local
-# Keep `go` from reaching anything but the module proxy (the only network CI has).
+# The public module proxy is the only network CI has; an explicit GOPROXY wins.
 export GOPROXY=${GOPROXY:-https://proxy.golang.org,direct}
 
 # Go is needed only to build, not to reuse what is cached.
@@ -110,11 +110,13 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
   ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
 done
 
-# build NAME CMD...: runs CMD (which writes $tmp) unless bin/NAME exists; atomic rename so an
-# interrupted build never leaves a half-written binary that a later run would trust.
+# build NAME FROM CMD...: runs CMD (which writes bin/.NAME.tmp) unless bin/NAME exists and was
+# built from FROM (recorded in bin/.NAME.from: a bumped kwok or helm version, or a regenerated
+# wrapper go.sum, rebuilds). Atomic rename, so an interrupted build never leaves a half-written
+# binary that a later run would trust.
 build() {
-  local name=$1; shift
-  if [[ -x $bin/$name ]]; then
+  local name=$1 from=$2; shift 2
+  if [[ -x $bin/$name && $(cat "$bin/.$name.from" 2>/dev/null) == "$from" ]]; then
     say "$name: cached"
     return
   fi
@@ -124,6 +126,7 @@ build() {
   say "$name: building (2 jobs)..."
   "$@"
   mv -f "$tmp" "$bin/$name"
+  echo "$from" > "$bin/.$name.from"
   say "$name: built in $(( $(date +%s) - t0 )) s ($(du -h "$bin/$name" | cut -f1))"
   built=$((built + 1))
 }
@@ -142,11 +145,12 @@ goinstall() {
   rmdir "$gobin"
 }
 
+wrapper_sum=$(sha256sum "$wrapper/go.sum" | cut -c1-16)
 for cmd in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
-  build "$cmd" gobuild "$bin/.$cmd.tmp" "k8s.io/kubernetes/cmd/$cmd"
+  build "$cmd" "$KUBE_VERSION go.sum:$wrapper_sum" gobuild "$bin/.$cmd.tmp" "k8s.io/kubernetes/cmd/$cmd"
 done
-build etcd gobuild "$bin/.etcd.tmp" go.etcd.io/etcd/server/v3
-build kwok goinstall "$bin/.kwok.tmp" "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
+build etcd "$KUBE_VERSION go.sum:$wrapper_sum" gobuild "$bin/.etcd.tmp" go.etcd.io/etcd/server/v3
+build kwok "$KWOK_VERSION" goinstall "$bin/.kwok.tmp" "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
 # Helm's release build stamps its own version and, as the default for `helm template`'s
 # .Capabilities.KubeVersion, the Kubernetes version of the client-go it was built with.
 helm_flags() {
@@ -161,7 +165,7 @@ helm_flags() {
   done
   echo "$f"
 }
-build helm goinstall "$bin/.helm.tmp" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION" helm_flags
+build helm "$HELM_VERSION" goinstall "$bin/.helm.tmp" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION" helm_flags
 
 etcd_version=$(awk '$1 == "go.etcd.io/etcd/server/v3" {print $2; exit}' "$wrapper/go.mod")
 cat > "$kube_dir/versions" <<EOF
