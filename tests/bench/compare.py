@@ -350,7 +350,18 @@ def render(results: Path, img_dir: Path) -> str:
          "Latencies in ms. ITL p50/p99 pool every token gap of every request.",
          "",
          "Regenerate: `hack/bench-compare.sh` "
-         "(about 30 minutes; only on an otherwise idle machine).", ""]
+         "(about 30 minutes; only on an otherwise idle machine).", "",
+         "Measure your own endpoint the same way (any OpenAI-compatible server; `--tokenizer` is the served "
+         "model's tokenizer.json, not needed for phasesplit's bundled model):", "",
+         "```",
+         "phasesplit bench --url http://127.0.0.1:8000 --input-len 1024 --output-len 128 \\",
+         "    --request-rate 1,2,4 --num-prompts 100 --slo ttft=500ms,itl=50ms --output-json r.json --plot plots/",
+         "phasesplit bench --url ... --workload mixed --max-concurrency 8        # closed loop",
+         "phasesplit bench --url ... --trace ../shared/traces/AzureLLMInferenceTrace_conv.csv \\",
+         "    --trace-time-scale 4 --trace-token-scale 0.25                     # Azure trace replay",
+         "```", "",
+         "Trace replays use the Azure LLM inference trace 2023 (Azure Public Dataset, CC BY 4.0; Patel et al., "
+         "\"Splitwise: Efficient generative LLM inference using phase splitting\", ISCA 2024).", ""]
     L += ["### Split vs colocated", ""]
     for workload in WORKLOADS:
         L += [f"#### {workload}: `{' '.join(WORKLOADS[workload])}`", ""]
