@@ -135,18 +135,21 @@ def sync_children(kube: Kube, owner: Owner, spec: api.InferenceServiceSpec,
                   replicas: Mapping[str, int | None], emit: Emit) -> list[dict[str, Any]]:
     """Apply every wanted child and delete the unwanted ones; Events say what changed.
 
-    Raises ApiException on the first failure (after a Warning Event); the caller retries.
+    One child the API server refuses does not hold back the others: every child is tried, then
+    the first failure is raised (after a Warning Event each) for the caller to retry.
     """
     desired = render.render(owner, spec, replicas)
     existing = kube.list_children(owner)
     applied = []
+    failures: list[ApiException] = []
     for obj in desired:
         before = existing.get(render.key(obj))
         try:
             after = kube.apply(obj)
         except ApiException as e:
             emit("Warning", "ApplyFailed", f"{_describe(obj)}: {e.reason}: {_message(e)}")
-            raise
+            failures.append(e)
+            continue
         applied.append(after)
         if before is None:
             emit("Normal", "Created", f"created {_describe(obj)}")
@@ -160,6 +163,8 @@ def sync_children(kube: Kube, owner: Owner, spec: api.InferenceServiceSpec,
             emit("Warning", "DeleteFailed", f"{kind} {name}: {e.reason}: {_message(e)}")
             raise
         emit("Normal", "Deleted", f"deleted {kind} {name} (no longer wanted by the spec)")
+    if failures:
+        raise failures[0]
     return applied
 
 

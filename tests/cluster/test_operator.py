@@ -387,6 +387,32 @@ def test_updates_drift_and_deletion(operator: Operator, kube_cluster: KubeCluste
                timeout=120)
 
 
+def test_apply_failure_is_reported_then_recovers(operator: Operator, kube_cluster: KubeCluster):
+    """A spec the CRD accepts but a child's own validation refuses: Ready=False with the API
+    server's message, a Warning Event, and recovery once the spec is fixed."""
+    namespace = WATCHED["lifecycle"]
+    view = View(kube_cluster, namespace)
+    name = "overcommit"
+    bad = merged(MINIMAL, {"decode": {"resources": {"requests": {"cpu": "4"}, "limits": {"cpu": "2"}}}})
+    view.apply(isvc(name, bad))
+
+    def failed():
+        cond = View.condition(view.get(name))
+        return cond if cond and cond["reason"] == "ReconcileFailed" else None
+    cond = wait_until("Ready=False with ReconcileFailed", failed)
+    print(f"\nReady={cond['status']} {cond['reason']}: {cond['message']}")
+    assert cond["status"] == "False" and "resources.requests" in cond["message"]
+    warnings = [e for e in view.core.list_namespaced_event(
+        namespace, field_selector=f"involvedObject.name={name},type=Warning").items if e.reason == "ApplyFailed"]
+    assert warnings and f"Deployment {name}-decode" in warnings[0].message
+    # The refused child held back nothing else: the router and prefill still got applied.
+    assert {("Deployment", f"{name}-router"), ("Deployment", f"{name}-prefill")} <= set(view.children(name))
+    view.apply(isvc(name, merged(MINIMAL, {"decode": {"resources": {"requests": {"cpu": "2"},
+                                                                    "limits": {"cpu": "2"}}}})))
+    view.wait_ready(name)
+    kube_cluster.kubectl("delete", "psvc", name, "-n", namespace)
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. validation by the API server
 

@@ -104,8 +104,10 @@ def test_apply_failure_posts_a_warning_and_raises():
     spec = spec_of()
     with pytest.raises(ApiException):
         reconcile.sync_children(kube, OWNER, spec, render.desired_replicas(spec), events)
-    assert events[-1][:2] == ("Warning", "ApplyFailed")
-    assert "NetworkPolicy chat-prefill" in events[-1][2]
+    warnings = [m for kind, reason, m in events if (kind, reason) == ("Warning", "ApplyFailed")]
+    assert [w.split(":")[0] for w in warnings] == ["NetworkPolicy chat-prefill", "NetworkPolicy chat-decode"]
+    # The refusal held back nothing else.
+    assert len(kube.objects) == 12 and events.reasons().count("Created") == 12
 
 
 def test_sync_child_reverts_recreates_and_removes():
