@@ -9,8 +9,9 @@ replicas of an HPA-managed Deployment, a Service's clusterIP) stay with whoever 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
@@ -37,6 +38,23 @@ CHILD_KINDS: dict[str, str] = {
 Emit = Callable[[str, str, str], None]
 
 log = logging.getLogger(__name__)
+
+# Worth trying again at once: a create race (409), throttling (429), a busy or restarting server.
+TRANSIENT = frozenset({409, 429, 500, 502, 503, 504})
+T = TypeVar("T")
+
+
+def retrying(call: Callable[[], T], attempts: int = 4, first_delay: float = 0.2,
+             sleep: Callable[[float], None] = time.sleep) -> T:
+    """Run call, retrying transient API errors with exponential backoff; others raise at once."""
+    for attempt in range(attempts):
+        try:
+            return call()
+        except ApiException as e:
+            if e.status not in TRANSIENT or attempt == attempts - 1:
+                raise
+            sleep(first_delay * 2**attempt)
+    raise AssertionError("unreachable")
 
 
 def api_client(kubeconfig: str | None = None) -> client.ApiClient:
@@ -82,8 +100,9 @@ class Kube:
 
     def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         res = self._resource(obj["kind"])
-        out = self.dynamic.server_side_apply(res, body=dict(obj), namespace=obj["metadata"]["namespace"],
-                                             field_manager=FIELD_MANAGER, force_conflicts=True)
+        out = retrying(lambda: self.dynamic.server_side_apply(
+            res, body=dict(obj), namespace=obj["metadata"]["namespace"], field_manager=FIELD_MANAGER,
+            force_conflicts=True))
         return out.to_dict()
 
     def list_children(self, owner: Owner) -> dict[tuple[str, str], dict[str, Any]]:
@@ -122,9 +141,9 @@ class Kube:
             raise
 
     def patch_status(self, namespace: str, name: str, new_status: Mapping[str, Any]) -> None:
-        self.custom.patch_namespaced_custom_object_status(
+        retrying(lambda: self.custom.patch_namespaced_custom_object_status(
             api.GROUP, api.VERSION, namespace, api.PLURAL, name, {"status": dict(new_status)},
-            _content_type="application/merge-patch+json")
+            _content_type="application/merge-patch+json"))
 
 
 def _describe(obj: Mapping[str, Any]) -> str:

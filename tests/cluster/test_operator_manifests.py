@@ -56,3 +56,21 @@ def test_install_yaml_is_accepted_by_the_api_server(kube_cluster: KubeCluster):
     out = kube_cluster.kubectl("apply", "--server-side", "--dry-run=server", "--force-conflicts",
                                "-f", str(ROOT / "manifests" / "install.yaml"))
     assert out.returncode == 0
+
+
+def test_namespaced_install_renders_a_role_and_the_flag(kube_cluster: KubeCluster):
+    out = _helm(kube_cluster, "template", "ps", str(CHART), "-n", "ops", "--set", "watchNamespace=team-a",
+                "--kube-version", "1.30.0")
+    assert out.returncode == 0, out.stderr
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out.stdout) if d}
+    role = docs[("Role", "ps-phasesplit")]
+    assert role["metadata"]["namespace"] == "team-a"
+    assert docs[("RoleBinding", "ps-phasesplit")]["subjects"] == [
+        {"kind": "ServiceAccount", "name": "ps-phasesplit", "namespace": "ops"}]
+    assert ("ClusterRole", "ps-phasesplit") not in docs  # only the read-only CRD reader stays cluster-wide
+    assert docs[("ClusterRole", "ps-phasesplit-crd-reader")]["rules"][0]["verbs"] == ["get", "list", "watch"]
+    args = docs[("Deployment", "ps-phasesplit")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=team-a" in args
+    cluster_wide = yaml.safe_load_all(_helm(kube_cluster, "template", "ps", str(CHART), "--kube-version",
+                                            "1.30.0").stdout)
+    assert "Role" not in {d["kind"] for d in cluster_wide if d}

@@ -177,3 +177,28 @@ def test_status_updates_are_not_mistaken_for_edits():
     assert reconcile._fingerprint(seen) != reconcile._fingerprint(label_moved)
     no_generation = {"metadata": {"resourceVersion": "7"}}
     assert reconcile._fingerprint(no_generation) != reconcile._fingerprint({"metadata": {"resourceVersion": "8"}})
+
+
+def test_retrying_retries_transient_errors_only():
+    calls, sleeps = [], []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise ApiException(status=409, reason="Conflict")
+        return "ok"
+    assert reconcile.retrying(flaky, sleep=sleeps.append) == "ok"
+    assert len(calls) == 3 and sleeps == [0.2, 0.4]
+
+    def refused():
+        calls.append(1)
+        raise ApiException(status=422, reason="Unprocessable Entity")
+    calls.clear()
+    with pytest.raises(ApiException):
+        reconcile.retrying(refused, sleep=sleeps.append)
+    assert len(calls) == 1
+
+    def always_busy():
+        raise ApiException(status=503, reason="Service Unavailable")
+    with pytest.raises(ApiException):
+        reconcile.retrying(always_busy, attempts=3, sleep=lambda _: None)
