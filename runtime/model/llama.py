@@ -87,11 +87,12 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         h = F.rms_norm(x, (x.shape[-1],), self.attn_norm, self.eps)
-        q, k, v = self.qkv(h).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         t = x.shape[0]
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv(h).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        # Q and K heads sit next to each other: one RoPE call rotates both (half the ops per layer).
+        qk = apply_rope(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.num_heads + self.num_kv_heads :]
         attn = paged_attention(q, k, v, k_cache, v_cache, meta)
         x = x + self.o_proj(attn.reshape(t, self.q_size))
         h = F.rms_norm(x, (x.shape[-1],), self.mlp_norm, self.eps)
