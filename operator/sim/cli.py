@@ -73,6 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hpa-target", type=float, default=2.0, help="hpa-queue: waiting requests per pod")
     p.add_argument("--no-baselines", dest="baselines", action="store_false",
                    help="only the chosen policy (default: also best static and hpa-queue)")
+    p.add_argument("--warmup", type=parse_duration, default=120.0,
+                   help="leave requests arriving in this first span (and its replica-seconds) out of the results")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--plot", default=None, metavar="FILE.png",
@@ -125,27 +127,29 @@ def run(args: argparse.Namespace) -> int:
     results, sims = {}, {}
     policy = new_planner()
     sims["planner"] = simulate(setup, policy, start, args.interval)
-    results["planner"] = summarize(sims["planner"], "planner", name)
+    warm = min(args.warmup, duration / 4)
+    results["planner"] = summarize(sims["planner"], "planner", name, warm)
     reference = results["planner"]["attainment"]
     if args.policy == "static" and args.static:
         p, d = args.static
         sim = simulate(setup, StaticPolicy(p, d), {"prefill": p, "decode": d}, args.interval)
-        results["static"] = summarize(sim, "static", name)
+        results["static"] = summarize(sim, "static", name, warm)
         results["static"]["static_replicas"] = {"prefill": p, "decode": d}
         sims["static"] = sim
     elif args.policy == "static" or args.baselines:
-        summary, sim, runs = best_static(setup, reference, args.max_replicas, args.interval)
+        summary, sim, runs = best_static(setup, reference, args.max_replicas, args.interval, warm)
         summary["workload"] = name
         summary["search"] = {"reference_attainment": reference, "runs": runs}
         results["static"], sims["static"] = summary, sim
     if args.policy == "hpa-queue" or args.baselines:
         sim = simulate(setup, HpaQueuePolicy(args.hpa_target, args.max_replicas), start, 15.0)
-        results["hpa-queue"] = summarize(sim, "hpa-queue", name)
+        results["hpa-queue"] = summarize(sim, "hpa-queue", name, warm)
         sims["hpa-queue"] = sim
     chosen = dict(results[args.policy])
     chosen["slo"] = {"ttft_s": ttft, "itl_s": itl}
     chosen["profile"] = args.profile
     chosen["duration_s"] = duration
+    chosen["warmup_s"] = warm
     if is_trace:
         chosen["scale"] = {"time": args.time_scale, "tokens": args.token_scale}
         chosen["attribution"] = ATTRIBUTION
@@ -159,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(chosen, indent=None))
     else:
         print(f"workload {name}: {len(requests)} requests over {duration:.0f} s; profile {args.profile}; "
-              f"SLO TTFT {ttft * 1000:.0f} ms, ITL {itl * 1000:.0f} ms (both met = attained)")
+              f"SLO TTFT {ttft * 1000:.0f} ms, ITL {itl * 1000:.0f} ms (both met = attained); "
+              f"first {warm:.0f} s left out (warm-up)")
         print(table([results[k] for k in ("planner", "static", "hpa-queue") if k in results]))
         if "static" in results and "search" in results["static"]:
             s = results["static"]["search"]

@@ -376,11 +376,11 @@ class Simulation:
         self._sample_reset()
 
     # ---- results -----------------------------------------------------------------------------
-    def replica_seconds(self) -> dict[str, float]:
-        """Time each replica existed (starting, serving or draining) within [0, duration]."""
+    def replica_seconds(self, start: float = 0.0) -> dict[str, float]:
+        """Time each replica existed (starting, serving or draining) within [start, duration]."""
         out = {"prefill": 0.0, "decode": 0.0}
         for r in self.replicas:
             end = min(r.removed if r.removed is not None else self.duration, self.duration)
-            out[r.phase] += max(0.0, end - r.created)
+            out[r.phase] += max(0.0, end - max(r.created, start))
         out["total"] = out["prefill"] + out["decode"]
         return out

@@ -43,14 +43,18 @@ def initial_counts(setup: Setup, policy_planner) -> dict[str, int]:
     return {"prefill": d.prefill.recommended, "decode": d.decode.recommended}
 
 
-def summarize(sim: Simulation, name: str, workload: str) -> dict:
+def summarize(sim: Simulation, name: str, workload: str, warmup: float = 0.0) -> dict:
+    """Attainment over the requests arriving after `warmup`, replica-seconds over the same span
+    (a trace starts mid-traffic; no policy should be judged on the first minutes' sizing)."""
     ttft_lim, itl_lim = sim.slo
-    done = [o for o in sim.out if not math.isnan(o.done)]
-    n = len(sim.out)
+    counted = [o for o in sim.out if o.arrival >= warmup]
+    done = [o for o in counted if not math.isnan(o.done)]
+    n = len(counted)
     ttft_ok = sum(1 for o in done if o.ttft <= ttft_lim)
     itl_ok = sum(1 for o in done if o.itl <= itl_lim)
     both = sum(1 for o in done if o.ttft <= ttft_lim and o.itl <= itl_lim)
-    rs = sim.replica_seconds()
+    rs = sim.replica_seconds(warmup)
+    span = sim.duration - warmup
     return {
         "policy": name,
         "workload": workload,
@@ -58,9 +62,9 @@ def summarize(sim: Simulation, name: str, workload: str) -> dict:
         "attainment": both / n if n else 1.0,
         "ttft_attainment": ttft_ok / n if n else 1.0,
         "itl_attainment": itl_ok / n if n else 1.0,
-        "goodput_rps": both / sim.duration if sim.duration else 0.0,
+        "goodput_rps": both / span if span > 0 else 0.0,
         "replica_seconds": {k: round(v, 1) for k, v in rs.items()},
-        "mean_replicas": {k: round(v / sim.duration, 2) for k, v in rs.items()} if sim.duration else {},
+        "mean_replicas": {k: round(v / span, 2) for k, v in rs.items()} if span > 0 else {},
         "ttft_p95_s": quantile([o.ttft for o in done], 0.95),
         "itl_p95_s": quantile([o.itl for o in done if o.osl > 1], 0.95),
         "scale_events": sum(1 for _ in _changes(sim)),
@@ -77,7 +81,7 @@ def _changes(sim: Simulation):
 
 
 def best_static(setup: Setup, reference: float, max_replicas: int, interval: float,
-                cache: dict | None = None) -> tuple[dict, Simulation, int]:
+                warmup: float = 0.0, cache: dict | None = None) -> tuple[dict, Simulation, int]:
     """Cheapest fixed (prefill, decode) whose attainment reaches `reference`.
 
     Attainment rises with either count (more of a phase never hurts here), so each phase's
@@ -90,7 +94,7 @@ def best_static(setup: Setup, reference: float, max_replicas: int, interval: flo
     def run(p: int, d: int) -> tuple[float, Simulation]:
         if (p, d) not in cache:
             sim = simulate(setup, StaticPolicy(p, d), {"prefill": p, "decode": d}, interval)
-            cache[(p, d)] = (summarize(sim, "static", "")["attainment"], sim)
+            cache[(p, d)] = (summarize(sim, "static", "", warmup)["attainment"], sim)
         return cache[(p, d)]
 
     def lowest(ok, lo: int, hi: int) -> int | None:
@@ -108,7 +112,7 @@ def best_static(setup: Setup, reference: float, max_replicas: int, interval: flo
     p_min = lowest(lambda p: run(p, top)[0] >= reference, 1, top)
     if p_min is None:
         # Nothing static reaches the reference: report the most provisioned point.
-        return _static_summary(run(top, top)[1], top, top), run(top, top)[1], len(cache)
+        return _static_summary(run(top, top)[1], top, top, warmup), run(top, top)[1], len(cache)
     best = None
     for p in (p_min, min(p_min + 1, top)):
         d = lowest(lambda d, p=p: run(p, d)[0] >= reference, 1, top)
@@ -116,11 +120,11 @@ def best_static(setup: Setup, reference: float, max_replicas: int, interval: flo
             best = (p, d)
     p, d = best
     sim = run(p, d)[1]
-    return _static_summary(sim, p, d), sim, len(cache)
+    return _static_summary(sim, p, d, warmup), sim, len(cache)
 
 
-def _static_summary(sim: Simulation, p: int, d: int) -> dict:
-    out = summarize(sim, "static", "")
+def _static_summary(sim: Simulation, p: int, d: int, warmup: float) -> dict:
+    out = summarize(sim, "static", "", warmup)
     out["static_replicas"] = {"prefill": p, "decode": d}
     return out
 

@@ -1,0 +1,100 @@
+"""The simulator: the discrete-event model's arithmetic, the trace reader, and the CLI contract."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from contextlib import redirect_stdout
+
+import pytest
+
+from phasesplit.operator.sim.engine import Simulation
+from phasesplit.operator.sim.policies import StaticPolicy, make_planner
+from phasesplit.operator.sim.profile import SimProfile, load_profile
+from phasesplit.operator.sim.workload import Request, generate, read_trace
+from phasesplit.runtime.cli import main
+
+P = SimProfile()
+
+
+def run(requests, policy, initial, duration, interval=15.0):
+    return Simulation(requests, P, policy, initial, interval, 0.5, 0.05, duration=duration).run()
+
+
+def test_lone_request_sees_service_time_transfer_and_one_step_per_token():
+    sim = run([Request(1.0, 1800, 11)], StaticPolicy(1, 1), {"prefill": 1, "decode": 1}, 10)
+    o = sim.out[0]
+    compute = 1800 / P.prefill_tokens_per_s
+    transfer = 1800 * P.kv_bytes_per_token / P.transfer_bytes_per_s
+    exposed = P.transfer_latency_s + max(transfer - compute, transfer / P.layers)
+    assert o.ttft == pytest.approx(P.prefill_overhead_s + compute + exposed)
+    # One sequence in the batch: each step costs base + per-seq + per-token × its context.
+    step = P.decode_base_s + P.decode_per_seq_s + P.decode_per_token_s * 1800
+    assert o.itl == pytest.approx(step, rel=0.01)
+
+
+def test_queueing_and_batching_grow_latency_with_load():
+    light = run(generate("steady", 300, 2.0, 3), StaticPolicy(2, 1), {"prefill": 2, "decode": 1}, 300)
+    heavy = run(generate("steady", 300, 15.0, 3), StaticPolicy(2, 1), {"prefill": 2, "decode": 1}, 300)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    assert mean([o.ttft for o in heavy.out]) > 2 * mean([o.ttft for o in light.out])
+    assert mean([o.itl for o in heavy.out if o.osl > 1]) > mean([o.itl for o in light.out if o.osl > 1])
+    assert all(not math.isnan(o.done) for o in heavy.out)  # everything finishes, nothing is dropped
+
+
+def test_static_replica_seconds_and_planner_follow_a_load_step():
+    reqs = [r for r in generate("steady", 600, 4.0, 5) if r.arrival < 300]
+    reqs += [Request(r.arrival + 300, r.isl, r.osl) for r in generate("steady", 300, 30.0, 6)]
+    static = run(reqs, StaticPolicy(3, 2), {"prefill": 3, "decode": 2}, 600)
+    rs = static.replica_seconds()
+    assert (rs["prefill"], rs["decode"]) == (pytest.approx(1800), pytest.approx(1200))
+    planner = run(reqs, make_planner(P, 0.5, 0.05, 0.95, 32, 15), {"prefill": 1, "decode": 1}, 600)
+    before = max(s.prefill for s in planner.samples if s.t < 290)
+    after = max(s.prefill for s in planner.samples if s.t > 400)
+    assert after > before
+
+
+def test_trace_reader_handles_azure_datetimes_and_scales(tmp_path):
+    f = tmp_path / "t.csv"
+    f.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                 "2023-11-16 18:17:04.0319600,3180,8\n2023-11-16 18:17:03.9799600,4808,10\n"
+                 "2023-11-16 18:17:05.9799600,100,2\n")
+    rows = read_trace(f, time_scale=2.0, token_scale=0.5)
+    assert [r.isl for r in rows] == [2404, 1590, 50]  # sorted by time, tokens halved
+    assert rows[1].arrival == pytest.approx(0.026) and rows[2].arrival == pytest.approx(1.0)
+    g = tmp_path / "s.csv"
+    g.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0,10,1\n2.5,20,2\n")
+    assert [r.arrival for r in read_trace(g)] == [0.0, 2.5]
+    bad = tmp_path / "bad.csv"
+    bad.write_text("time,prompt\n0,1\n")
+    with pytest.raises(ValueError, match="ContextTokens"):
+        read_trace(bad)
+
+
+def test_profile_file_overrides_and_rejects_unknown_keys(tmp_path):
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps({"prefill_tokens_per_s": 1234.0}))
+    assert load_profile(str(f)).prefill_tokens_per_s == 1234.0
+    assert load_profile(str(f)).decode_base_s == P.decode_base_s
+    f.write_text(json.dumps({"prefil_tokens_per_s": 1}))
+    with pytest.raises(ValueError, match="unknown profile keys"):
+        load_profile(str(f))
+
+
+def test_cli_json_contract():
+    out = io.StringIO()
+    with redirect_stdout(out):
+        rc = main(["sim", "--workload", "steady", "--duration", "4m", "--rate", "3", "--json", "--no-baselines",
+                   "--slo", "ttft=800ms,itl=60ms"])
+    assert rc == 0
+    doc = json.loads(out.getvalue())
+    assert doc["policy"] == "planner" and doc["workload"] == "steady"
+    assert 0 <= doc["attainment"] <= 1
+    assert set(doc["replica_seconds"]) == {"prefill", "decode", "total"}
+    assert doc["slo"] == {"ttft_s": 0.8, "itl_s": 0.06}
+
+
+def test_cli_rejects_unknown_workload(capsys):
+    assert main(["sim", "--workload", "nonesuch"]) == 2
+    assert "neither" in capsys.readouterr().err
