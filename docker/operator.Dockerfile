@@ -8,8 +8,9 @@ WORKDIR /src
 COPY pyproject.toml setup.py README.md* ./
 COPY runtime/ runtime/
 COPY operator/ operator/
-# --no-deps: the package's dependencies include the serving stack (torch); the operator needs
-# only these (httpx and prometheus-client: the autoscaler scrapes pod metrics). The runtime/ sources ride along because the `phasesplit` entry point lives there.
+# --no-deps: the package's dependencies include the serving stack (torch); the operator needs only
+# these (httpx and prometheus-client: the autoscaler scrapes pod metrics). The runtime/ sources
+# ride along because the `phasesplit` entry point lives there.
 RUN pip install --no-deps . \
  && pip install "kopf" "kubernetes" "pydantic>=2" "pyyaml" "httpx" "prometheus-client" \
  && rm -rf /src
