@@ -166,12 +166,6 @@ class Planner:
             urgent["prefill"] = True
         if decode_bound and rec_d > current["decode"]:
             urgent["decode"] = True
-        # An SLO already missed beats any model: scale the phase responsible at once, in
-        # proportion to the miss, from the replicas that were actually serving (replicas still
-        # starting are on their way; counting them again would overshoot). Only the queueing
-        # part of TTFT responds to replicas, so the miss is measured against the wait budget
-        # left after a long prompt's own service time; a miss that service time alone explains
-        # (the longest prompts of the window) buys nothing.
         # An SLO already missed beats any model (a prior can be far off, and calibration waits
         # for healthy windows): scale the phase responsible at once, in proportion to the miss,
         # from the replicas actually serving (those still starting are on their way). TTFT
