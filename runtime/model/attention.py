@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -122,19 +123,23 @@ def build_metadata(
     after the decode tokens.
     """
     slots: list[int] = []
-    for table, ctx in decode:
-        pos = ctx - 1
-        slots.append(table[pos // block_size] * block_size + pos % block_size)
     meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decode=len(decode))
     if decode:
+        # Built with numpy in one pass: per-sequence torch ops cost more than the math here.
         width = max(ctx for _, ctx in decode)
-        gather = torch.zeros(len(decode), width, dtype=torch.long)
-        lens = torch.tensor([ctx for _, ctx in decode])
-        for i, (table, ctx) in enumerate(decode):
-            gather[i, :ctx] = _slots_of(table, 0, ctx, block_size)
-        mask = torch.arange(width)[None, :] < lens[:, None]
-        meta.decode_gather = gather.to(device)
-        meta.decode_mask = mask[:, None, None, :].to(device)
+        tables = np.zeros((len(decode), -(-width // block_size)), dtype=np.int64)
+        lens = np.fromiter((ctx for _, ctx in decode), dtype=np.int64, count=len(decode))
+        for i, (table, _) in enumerate(decode):
+            n = min(len(table), tables.shape[1])
+            tables[i, :n] = table[:n]
+        pos = np.arange(width)
+        gather = tables[:, pos // block_size] * block_size + pos % block_size
+        mask = pos[None, :] < lens[:, None]
+        gather = np.where(mask, gather, 0)
+        last = lens - 1
+        slots = (tables[np.arange(len(decode)), last // block_size] * block_size + last % block_size).tolist()
+        meta.decode_gather = torch.from_numpy(gather).to(device)
+        meta.decode_mask = torch.from_numpy(mask)[:, None, None, :].to(device)
     start = len(decode)
     for table, cached, chunk in prefill:
         ctx = cached + chunk

@@ -255,35 +255,42 @@ async def _guarded(gen: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOu
         yield error_body(f"generation failed: {e}", "server_error")
 
 
-async def _completion_chunks(backend: Backend, rid: str, ids: list[int], params: SamplingParams,
-                             req: CompletionRequest) -> AsyncIterator[str]:
+async def _events(outputs: AsyncIterator[RequestOutput], include_usage: bool,
+                  chunk: Callable[[RequestOutput | None, Usage | None], Any]) -> AsyncIterator[str]:
+    """SSE events of one request: a chunk per text delta, an optional usage chunk, then [DONE].
+
+    `chunk(out, None)` builds a delta chunk, `chunk(None, usage)` the usage chunk.
+    """
     last = None
-    async for out in _guarded(backend.generate(rid, ids, params)):
-        if isinstance(out, dict):
+    async for out in _guarded(outputs):
+        if isinstance(out, dict):  # an error event ends the stream
             yield _sse(out)
             break
         last = out
         if out.text or out.finished:
-            yield _sse(CompletionResponse(id=rid, model=req.model, choices=[
-                CompletionChoice(text=out.text, finish_reason=_finish_reason(out))]))
-    if last is not None and last.finished and req.include_usage:
-        yield _sse(CompletionResponse(id=rid, model=req.model, choices=[], usage=_usage(last)))
+            yield _sse(chunk(out, None))
+    if last is not None and last.finished and include_usage:
+        yield _sse(chunk(None, _usage(last)))
     yield "data: [DONE]\n\n"
+
+
+def _completion_chunks(backend: Backend, rid: str, ids: list[int], params: SamplingParams,
+                       req: CompletionRequest) -> AsyncIterator[str]:
+    def chunk(out: RequestOutput | None, usage: Usage | None) -> CompletionResponse:
+        choices = [] if out is None else [CompletionChoice(text=out.text, finish_reason=_finish_reason(out))]
+        return CompletionResponse(id=rid, model=req.model, choices=choices, usage=usage)
+
+    return _events(backend.generate(rid, ids, params), req.include_usage, chunk)
 
 
 async def _chat_chunks(backend: Backend, rid: str, ids: list[int], params: SamplingParams,
                        req: ChatCompletionRequest) -> AsyncIterator[str]:
+    def chunk(out: RequestOutput | None, usage: Usage | None) -> ChatCompletionChunk:
+        choices = [] if out is None else [ChatChunkChoice(delta=ChatDelta(content=out.text or None),
+                                                          finish_reason=_finish_reason(out))]
+        return ChatCompletionChunk(id=rid, model=req.model, choices=choices, usage=usage)
+
     yield _sse(ChatCompletionChunk(id=rid, model=req.model, choices=[
         ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))]))
-    last = None
-    async for out in _guarded(backend.generate(rid, ids, params)):
-        if isinstance(out, dict):
-            yield _sse(out)
-            break
-        last = out
-        if out.text or out.finished:
-            yield _sse(ChatCompletionChunk(id=rid, model=req.model, choices=[
-                ChatChunkChoice(delta=ChatDelta(content=out.text or None), finish_reason=_finish_reason(out))]))
-    if last is not None and last.finished and req.include_usage:
-        yield _sse(ChatCompletionChunk(id=rid, model=req.model, choices=[], usage=_usage(last)))
-    yield "data: [DONE]\n\n"
+    async for event in _events(backend.generate(rid, ids, params), req.include_usage, chunk):
+        yield event

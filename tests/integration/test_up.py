@@ -1,0 +1,64 @@
+"""`phasesplit up`, the README's main job: starts every role, answers, and stops with no orphans."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from tests.procs import free_port
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three primary colors are"]
+
+
+def _children(pid: int) -> set[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return {int(x) for x in out.split()}
+
+
+def _run_up(extra: list[str], log) -> tuple[list[str], set[int]]:
+    port = free_port()
+    p = subprocess.Popen([sys.executable, "-m", "phasesplit.runtime.cli", "up", "--port", str(port), "--dtype",
+                          "float32", "--kv-cache-memory", "128MiB", "--log-level", "warning", *extra],
+                         stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        lines = []
+        for line in p.stdout:
+            lines.append(line)
+            if "ready: OpenAI API" in line:
+                break
+            assert time.monotonic() < deadline and p.poll() is None, "".join(lines)
+        kids = _children(p.pid)
+        assert len(kids) == (1 if "--colocated" in extra else 3), lines
+        texts = []
+        for prompt in PROMPTS:
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120, json={
+                "model": "smollm2-135m-instruct", "prompt": prompt, "max_tokens": 16, "temperature": 0})
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=60)
+    return texts, kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_up_split_and_colocated_agree_and_stop_cleanly(tmp_path):
+    with open(tmp_path / "up.log", "w") as log:
+        split, kids_split = _run_up([], log)
+        colocated, kids_colo = _run_up(["--colocated"], log)
+    assert split == colocated
+    time.sleep(0.5)
+    assert not [k for k in kids_split | kids_colo if _alive(k)], "SIGTERM must stop every child"
