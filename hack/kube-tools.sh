@@ -140,7 +140,7 @@ goinstall() {
   local tmp=$1 pkg=$2 flags="" gobin
   [[ -z ${3:-} ]] || flags=$("$3")  # $3: a function printing extra -ldflags
   gobin=$(mktemp -d "$bin/.gobin.XXXXXX")
-  (cd "$bin" && GOFLAGS= GOBIN=$gobin go install -p 2 -trimpath -ldflags "-s -w $flags" "$pkg")
+  (cd "$bin" && GOFLAGS='' GOBIN=$gobin go install -p 2 -trimpath -ldflags "-s -w $flags" "$pkg")
   mv -f "$gobin/$(basename "${pkg%@*}")" "$tmp"
   rmdir "$gobin"
 }
@@ -155,7 +155,7 @@ build kwok "$KWOK_VERSION" goinstall "$bin/.kwok.tmp" "sigs.k8s.io/kwok/cmd/kwok
 # .Capabilities.KubeVersion, the Kubernetes version of the client-go it was built with.
 helm_flags() {
   local mod cg
-  mod=$(cd "$bin" && GOFLAGS= go mod download -json "helm.sh/helm/v3@$HELM_VERSION" \
+  mod=$(cd "$bin" && GOFLAGS='' go mod download -json "helm.sh/helm/v3@$HELM_VERSION" \
     | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",*$/\1/p')
   cg=$(awk '$1 == "k8s.io/client-go" {print $2; exit}' "$mod")  # v0.MINOR.PATCH
   cg=${cg#v0.}; cg=${cg%%.*}
