@@ -16,6 +16,7 @@ import os
 import random
 import threading
 import time
+import zlib
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 
@@ -67,13 +68,30 @@ def pick_decode(pool: Pool) -> Worker | None:
     return max(live, key=lambda w: (w.free_blocks, -(w.running + w.inflight)))
 
 
-def rank_prefill(pool: Pool, rng: random.Random) -> list[Worker]:
-    """Power of two choices on queued prompt tokens first, the rest as fallbacks."""
+AFFINITY_SLACK_TOKENS = 2048  # how much longer a queue may be and still win on prefix affinity
+
+
+def rank_prefill(pool: Pool, rng: random.Random, prompt: list[int] | None = None,
+                 block_size: int = 16) -> list[Worker]:
+    """Best prefill worker first, the rest as fallbacks.
+
+    Prompts that share their first block go to the same worker (rendezvous hashing), where its
+    prefix cache likely holds them, unless that worker's queue is much longer than the shortest;
+    otherwise power of two choices on queued prompt tokens.
+    """
     live = pool.live()
     if len(live) <= 1:
         return live
-    a, b = rng.sample(live, 2)
-    best = min((a, b), key=lambda w: w.waiting_tokens)
+    shortest = min(w.waiting_tokens for w in live)
+    best = None
+    if prompt is not None and len(prompt) > block_size:
+        key = ",".join(map(str, prompt[:block_size]))
+        home = max(live, key=lambda w: zlib.crc32(f"{w.url}|{key}".encode()))
+        if home.waiting_tokens <= shortest + AFFINITY_SLACK_TOKENS:
+            best = home
+    if best is None:
+        a, b = rng.sample(live, 2)
+        best = min((a, b), key=lambda w: w.waiting_tokens)
     return [best] + sorted((w for w in live if w is not best), key=lambda w: w.waiting_tokens)
 
 
@@ -130,7 +148,7 @@ class RemoteBackend:
         worker = pick_decode(self.decode)
         if worker is None:
             raise RuntimeError("no decode worker is available")
-        prefill = [w.url for w in rank_prefill(self.prefill, self.rng)]
+        prefill = [w.url for w in rank_prefill(self.prefill, self.rng, prompt_ids)]
         if prefill:
             self.prefill.workers[prefill[0]].waiting_tokens += len(prompt_ids)
         worker.inflight += 1

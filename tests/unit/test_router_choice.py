@@ -1,0 +1,38 @@
+"""Router worker choice: decode by free blocks, prefill by queue with prefix affinity."""
+
+import random
+
+from phasesplit.runtime.server.router import AFFINITY_SLACK_TOKENS, Pool, Worker, pick_decode, rank_prefill
+
+
+def pool(*workers: Worker) -> Pool:
+    return Pool({w.url: w for w in workers})
+
+
+def test_decode_most_free_blocks_then_fewest_running():
+    p = pool(Worker("a", True, free_blocks=10, running=1), Worker("b", True, free_blocks=50, running=9),
+             Worker("c", False, free_blocks=99), Worker("d", True, free_blocks=50, running=2))
+    assert pick_decode(p).url == "d"
+    assert pick_decode(pool(Worker("x", False))) is None
+
+
+def test_prefill_same_prefix_same_worker_unless_overloaded():
+    ws = [Worker(f"http://p{i}", True) for i in range(4)]
+    p = pool(*ws)
+    rng = random.Random(0)
+    prompt = list(range(100))
+    homes = {rank_prefill(p, rng, prompt + [i])[0].url for i in range(20)}
+    assert len(homes) == 1, "prompts sharing the first block stick to one worker"
+    home = next(w for w in ws if w.url in homes)
+    home.waiting_tokens = AFFINITY_SLACK_TOKENS + 1
+    assert rank_prefill(p, rng, prompt)[0] is not home, "an overloaded home loses its affinity"
+    spread = {rank_prefill(p, rng, [i] * 40)[0].url for i in range(200)}
+    assert len(spread) >= 3, "different prefixes spread over the pool"
+
+
+def test_prefill_fallbacks_are_everyone_else_by_queue():
+    ws = [Worker("a", True, waiting_tokens=5), Worker("b", True, waiting_tokens=1), Worker("c", True, waiting_tokens=3)]
+    ranked = rank_prefill(pool(*ws), random.Random(1))
+    assert sorted(w.url for w in ranked) == ["a", "b", "c"]
+    assert ranked[0].url != "a", "two choices never pick the longest queue of three"
+    assert [w.waiting_tokens for w in ranked[1:]] == sorted(w.waiting_tokens for w in ranked[1:])
