@@ -31,5 +31,5 @@ def test_splice_into_empty_doc():
 
 def test_prompts_per_point_are_bounded():
     assert compare.n_prompts(0.1, 1.0) == compare.MIN_PROMPTS
-    assert compare.n_prompts(0.5, 1.0) == 20
+    assert compare.n_prompts(0.5, 1.0) == 15
     assert compare.n_prompts(100.0, 1.0) == compare.MAX_PROMPTS
