@@ -102,6 +102,16 @@ def format_sweep(runs: Sequence[Mapping]) -> str:
     return "latencies in ms\n" + "\n".join(out)
 
 
+def format_by_kind(by_kind: Mapping[str, Mapping]) -> str:
+    """Per request class (chat vs doc in the mixed workload): where the pooled numbers come from."""
+    lines = ["per request class (ms):"]
+    for kind, s in by_kind.items():
+        lines.append(f"  {kind:<6} n={s['completed']:<4} TTFT p50 {_ms(s['ttft_s']['p50'])}  p99 {_ms(s['ttft_s']['p99'])}"
+                     f"   ITL p50 {_ms(s['itl_s']['p50'])}  p99 {_ms(s['itl_s']['p99'])}"
+                     f"   TPOT p50 {_ms(s['tpot_s']['p50'])}")
+    return "\n".join(lines)
+
+
 def write_json(path: str | Path, doc: Mapping) -> None:
     """Write atomically (temp file + rename) so an interrupted run never leaves half a file."""
     p = Path(path)

@@ -246,6 +246,8 @@ async def _run(args: argparse.Namespace, doc: dict, api_key: str | None) -> int:
             _save(args, doc)
             if summary is not None:
                 print(report.format_summary(summary, f"{label} @ {rl} req/s"), flush=True)
+                if run["by_kind"]:
+                    print(report.format_by_kind(run["by_kind"]), flush=True)
             if interrupted:
                 raise asyncio.CancelledError
             if breaker.tripped:

@@ -305,6 +305,11 @@ def _verdicts(data: dict, workload: str) -> list[str]:
             f"({_ms(a['ttft_s']['p50'])} vs {_ms(b['ttft_s']['p50'])} ms); goodput {good} "
             f"({a['goodput']:.2f} vs {b['goodput']:.2f} req/s); output throughput "
             f"{a['output_throughput']:.1f} vs {b['output_throughput']:.1f} tok/s.")
+        ka, kb = split[(w, rate)].get("by_kind", {}), colo[(w, rate)].get("by_kind", {})
+        if "chat" in ka and "chat" in kb:
+            lines[-1] += (f" Chat requests alone: ITL p99 {_ms(ka['chat']['itl_s']['p99'])} vs "
+                          f"{_ms(kb['chat']['itl_s']['p99'])} ms, TTFT p50 {_ms(ka['chat']['ttft_s']['p50'])} vs "
+                          f"{_ms(kb['chat']['ttft_s']['p50'])} ms.")
     return lines
 
 

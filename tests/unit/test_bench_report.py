@@ -5,6 +5,7 @@ import math
 
 from phasesplit.runtime.bench.metrics import RequestResult, parse_slo, summarize
 from phasesplit.runtime.bench.report import (
+    format_by_kind,
     format_summary,
     format_sweep,
     plot_cdfs,
@@ -60,3 +61,10 @@ def test_plots_are_pngs(tmp_path):
     for p in (plot_latency_vs_rate(series, tmp_path / "lat.png", "t"), plot_cdfs(series, tmp_path / "cdf.png")):
         data = p.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_format_by_kind():
+    text = format_by_kind({"chat": summarize(_results(1.0), 2.0), "doc": summarize(_results(2.0), 2.0)})
+    lines = text.splitlines()
+    assert lines[1].split()[:2] == ["chat", "n=5"] and lines[2].split()[0] == "doc"
+    assert "TTFT p50 120.00" in lines[1]
