@@ -191,8 +191,19 @@ def run_point(cmd: list[str]) -> tuple[int | None, str]:
     return p.returncode, err[-1500:]
 
 
+def wait_for_quiet(max_load: float, max_wait_s: float) -> float:
+    """Wait (bounded) until the 1-minute load average is below max_load; returns the last value.
+    Other people's jobs on a 2-core machine would otherwise be measured as our latency."""
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        load = os.getloadavg()[0]
+        if load < max_load or time.monotonic() >= deadline:
+            return load
+        time.sleep(10)
+
+
 def measure(names: list[str], results: Path, scale: float, only_workloads: list[str] | None,
-            only_rates: list[float] | None = None) -> None:
+            only_rates: list[float] | None = None, max_load: float = 1.5, max_wait_s: float = 300) -> None:
     results.mkdir(parents=True, exist_ok=True)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -207,7 +218,9 @@ def measure(names: list[str], results: Path, scale: float, only_workloads: list[
         if not Path(system.command[0]).exists():
             meta["error"] = f"not installed ({system.command[0]} is missing; run hack/bench-peers.sh)"
         else:
-            print(f"[compare] starting {name}: {shlex.join(system.command)}", file=sys.stderr, flush=True)
+            meta["load_before"] = round(wait_for_quiet(max_load, max_wait_s), 2)
+            print(f"[compare] starting {name} (load {meta['load_before']}): {shlex.join(system.command)}",
+                  file=sys.stderr, flush=True)
             with Server(system, results / f"{name}.server.log") as server:
                 t0 = time.monotonic()
                 why = server.wait_ready(url)
@@ -221,7 +234,8 @@ def measure(names: list[str], results: Path, scale: float, only_workloads: list[
                         print(f"[compare] {name} {workload} @ {rate:g}/s", file=sys.stderr, flush=True)
                         rc, err = run_point(cmd)
                         meta["points"].append({"workload": workload, "rate": rate, "json": out.name,
-                                               "command": cmd, "rc": rc, "stderr": err if rc else ""})
+                                               "command": cmd, "rc": rc, "stderr": err if rc else "",
+                                               "load_after": round(os.getloadavg()[0], 2)})
                         if server.proc.poll() is not None:
                             meta["error"] = f"server died during {workload} @ {rate:g}/s: {server.tail()}"
                             break
@@ -388,8 +402,10 @@ def render(results: Path, img_dir: Path) -> str:
         L += _plots(data, workload, ["colocated", "llamacpp", "vllm"], "engines", img_dir) + [""]
     L += ["### Systems, versions and commands", ""]
     for name, meta in metas.items():
+        loads = [p["load_after"] for p in meta["points"] if "load_after" in p]
         L.append(f"- **{name}**: {meta['title']}; {meta.get('version') or 'version unknown'}; "
-                 f"ready in {meta.get('start_s', '?')} s")
+                 f"ready in {meta.get('start_s', '?')} s; 1-min load average {meta.get('load_before', '?')} "
+                 f"before start, {min(loads, default='?')}-{max(loads, default='?')} after its points")
         env = " ".join(f"{k}={v}" for k, v in meta["env"].items())
         L.append(f"  - server: `{(env + ' ') if env else ''}{_cmdline(meta['command'])}`")
         if meta["error"]:
@@ -442,6 +458,9 @@ def main() -> int:
     ap.add_argument("--results", type=Path, default=CACHE / "bench-results" / "serving")
     ap.add_argument("--rates", default=None, help="comma-separated request rates for every workload (smoke test)")
     ap.add_argument("--quick", action="store_true", help="a quarter of the requests per point (smoke test)")
+    ap.add_argument("--max-load", type=float, default=1.5,
+                    help="wait before each system until the 1-minute load average is below this")
+    ap.add_argument("--max-wait", type=float, default=300, help="seconds to wait for that at most")
     ap.add_argument("--render-only", action="store_true", help="rebuild the section from --results")
     ap.add_argument("--doc", type=Path, default=DOC)
     args = ap.parse_args()
@@ -452,7 +471,7 @@ def main() -> int:
             ap.error(f"unknown systems: {sorted(unknown)}")
         workloads = args.workloads.split(",") if args.workloads else None
         rates = [float(r) for r in args.rates.split(",")] if args.rates else None
-        measure(names, args.results, 0.25 if args.quick else 1.0, workloads, rates)
+        measure(names, args.results, 0.25 if args.quick else 1.0, workloads, rates, args.max_load, args.max_wait)
     section = render(args.results, args.doc.parent / IMG_SUBDIR)
     old = args.doc.read_text() if args.doc.is_file() else ""
     args.doc.write_text(splice(old, section))
