@@ -111,6 +111,9 @@ def systems(port: int) -> dict[str, System]:
 def versions(sys_name: str) -> str:
     if sys_name in ("split", "colocated"):
         commit = _out(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"])
+        # The editable install runs the working tree, which may hold others' uncommitted work.
+        if _out(["git", "-C", str(ROOT), "status", "--porcelain", "--", "runtime"]):
+            commit += " + uncommitted changes in runtime/"
         torch = _out([sys.executable, "-c", "import torch; print(torch.__version__)"])
         return f"phasesplit {commit}, torch {torch}"
     if sys_name == "llamacpp":
