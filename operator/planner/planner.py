@@ -101,7 +101,6 @@ class Planner:
     def __post_init__(self) -> None:
         self.limiters = {p: PhaseLimiter(self.config.behavior) for p in PHASES}
         self.rates: deque[tuple[float, float]] = deque()  # (time, request rate) for surge headroom
-        self.last_miss_step: dict[str, float] = {}
 
     def surge(self, now: float, rate: float) -> tuple[float, float]:
         """(planning rate, surge factor): headroom for load that can arrive before a new replica is up.
@@ -187,21 +186,14 @@ class Planner:
             if decode_bound and prefill_backlog:
                 phases.append("decode")
             for phase in phases:
-                # One proportional step per reaction time: replicas it added must have started
-                # and served a window before a further miss is held against the count (a
-                # backlog stranded on the old replicas does not shrink with more replicas).
-                if now - self.last_miss_step.get(phase, -math.inf) < cfg.startup_s + 2 * cfg.interval_s:
-                    continue
                 base = (snap.ready_decode if phase == "decode" else snap.ready_prefill) or current[phase]
                 want = math.ceil(base * factor)
                 why = (f"TTFT p{cfg.percentile * 100:g} {snap.ttft_p * 1000:.0f}ms > {cfg.ttft_s * 1000:.0f}ms"
                        f"{' with KV full' if phase == 'decode' else ''}: ×{factor:.2f}")
                 if phase == "prefill" and want > rec_p:
                     rec_p, why_p, urgent["prefill"] = want, why, True
-                    self.last_miss_step[phase] = now
                 elif phase == "decode" and want > rec_d:
                     rec_d, why_d, urgent["decode"] = want, why, True
-                    self.last_miss_step[phase] = now
         if snap.itl_p is not None and snap.itl_p > cfg.itl_s:
             factor = min(snap.itl_p / cfg.itl_s, cfg.max_miss_factor)
             want = math.ceil((snap.ready_decode or current["decode"]) * factor)

@@ -155,19 +155,6 @@ def test_ttft_miss_counts_only_ready_replicas():
     assert d.prefill.desired == 8
 
 
-def test_one_proportional_step_per_reaction_time():
-    # The miss persists while the added replicas start (and a backlog stranded on the old ones
-    # does not shrink with more replicas): no second doubling until they have served a window.
-    planner = Planner(PlannerConfig(prefill=PhaseLimits(1, 40), startup_s=60.0), frozen_model())
-    d = planner.plan(snap(0, rate=1.0, ttft_p=1.5, ready_prefill=4), {"prefill": 4, "decode": 2}, 0)
-    assert d.prefill.desired == 8
-    for t in (15, 30, 45, 60, 75):
-        d = planner.plan(snap(t, rate=1.0, ttft_p=1.5, ready_prefill=8 if t >= 60 else 4), d.desired, t)
-        assert d.prefill.desired == 8, t
-    d = planner.plan(snap(90, rate=1.0, ttft_p=1.5, ready_prefill=8), d.desired, 90)
-    assert d.prefill.desired == 16
-
-
 def test_ttft_miss_with_full_kv_scales_decode():
     planner = Planner(PlannerConfig(behavior=slow_up(), decode=PhaseLimits(1, 20)), frozen_model())
     current = {"prefill": 2, "decode": 3}
