@@ -25,6 +25,13 @@ def parse_duration(text: str) -> float:
     return float(m.group(1)) * {"ms": 1e-3, "s": 1.0, "m": 60.0, None: 1.0}[m.group(2)]
 
 
+def parse_span(text: str) -> float:
+    """A duration that may be zero (e.g. no warm-up)."""
+    if text.strip() in ("0", "0s", "0ms", "0m"):
+        return 0.0
+    return parse_duration(text)
+
+
 def parse_slo(text: str) -> dict[str, float]:
     """'ttft=500ms,itl=50ms' (the bench tool's syntax; a bare number is milliseconds)."""
     out = {}
@@ -73,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hpa-target", type=float, default=2.0, help="hpa-queue: waiting requests per pod")
     p.add_argument("--no-baselines", dest="baselines", action="store_false",
                    help="only the chosen policy (default: also best static and hpa-queue)")
-    p.add_argument("--warmup", type=parse_duration, default=120.0,
+    p.add_argument("--warmup", type=parse_span, default=120.0,
                    help="leave requests arriving in this first span (and its replica-seconds) out of the results")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")

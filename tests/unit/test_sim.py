@@ -86,13 +86,13 @@ def test_cli_json_contract():
     out = io.StringIO()
     with redirect_stdout(out):
         rc = main(["sim", "--workload", "steady", "--duration", "4m", "--rate", "3", "--json", "--no-baselines",
-                   "--slo", "ttft=800ms,itl=60ms"])
+                   "--slo", "ttft=800ms,itl=60ms", "--warmup", "0"])
     assert rc == 0
     doc = json.loads(out.getvalue())
     assert doc["policy"] == "planner" and doc["workload"] == "steady"
     assert 0 <= doc["attainment"] <= 1
     assert set(doc["replica_seconds"]) == {"prefill", "decode", "total"}
-    assert doc["slo"] == {"ttft_s": 0.8, "itl_s": 0.06}
+    assert doc["slo"] == {"ttft_s": 0.8, "itl_s": 0.06} and doc["warmup_s"] == 0
 
 
 def test_cli_rejects_unknown_workload(capsys):
