@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from phasesplit.runtime.kv.wire import (
@@ -34,12 +35,24 @@ from phasesplit.runtime.model.attention import write_rows
 log = logging.getLogger(__name__)
 
 
+def slot_runs(slots: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(first position, first slot, length) of each run of consecutive slots."""
+    if len(slots) == 0:
+        return []
+    s = slots.numpy()
+    breaks = (np.nonzero(np.diff(s) != 1)[0] + 1).tolist()
+    starts = [0, *breaks]
+    ends = [*breaks, len(s)]
+    return [(a, int(s[a]), b - a) for a, b in zip(starts, ends, strict=True)]
+
+
 @dataclass
 class Expected:
     slots: torch.Tensor  # cache slot of every prompt position
     skip: int  # positions below this are already cached here and are not sent
     on_done: Callable[[int, int, float], None]  # (first_token, bytes, seconds)
     on_fail: Callable[[str], None]
+    runs: list[tuple[int, int, int]] = field(default_factory=list)  # slot_runs(slots)
     filled: list[int] = field(default_factory=list)  # per layer: next expected position
     bytes: int = 0
     started: float = field(default_factory=time.monotonic)
@@ -62,7 +75,9 @@ class KVReceiver:
     def expect(self, transfer_id: int, slots: torch.Tensor, skip: int,
                on_done: Callable[[int, int, float], None], on_fail: Callable[[str], None]) -> None:
         with self.lock:
-            self.transfers[transfer_id] = Expected(slots.cpu(), skip, on_done, on_fail, [skip] * self.layers)
+            slots = slots.cpu()
+            self.transfers[transfer_id] = Expected(slots, skip, on_done, on_fail, slot_runs(slots),
+                                                   [skip] * self.layers)
 
     def cancel(self, transfer_id: int) -> None:
         with self.lock:
@@ -125,12 +140,23 @@ class KVReceiver:
         if not _recv_into(conn, payload):
             raise FrameError(f"truncated payload ({h.payload_len} bytes announced)")
         kv = payload_tensor(h, payload).to(self.kv_cache.device, non_blocking=True)
-        idx = exp.slots[h.token_start:end].to(self.kv_cache.device)
+        # Blocks are mostly handed out in order, so a frame usually lands in a few runs of
+        # consecutive slots: plain slice copies then beat a scatter by about 10x.
+        runs = [(max(p, h.token_start), s + max(p, h.token_start) - p, min(p + n, end) - max(p, h.token_start))
+                for p, s, n in exp.runs if p < end and p + n > h.token_start]
         with self.lock:
             if self.transfers.get(h.transfer_id) is not exp:
                 raise FrameError(f"transfer {h.transfer_id} was cancelled mid-frame")
-            write_rows(self.kv_cache[0, h.layer], idx, kv[0])
-            write_rows(self.kv_cache[1, h.layer], idx, kv[1])
+            layer = self.kv_cache[:, h.layer]
+            if len(runs) <= 8:
+                for pos, slot, n in runs:  # K and V apart: one strided bf16 copy_ is ~15x slower
+                    off = pos - h.token_start
+                    layer[0, slot : slot + n].copy_(kv[0, off : off + n])
+                    layer[1, slot : slot + n].copy_(kv[1, off : off + n])
+            else:
+                idx = exp.slots[h.token_start:end].to(self.kv_cache.device)
+                write_rows(layer[0], idx, kv[0])
+                write_rows(layer[1], idx, kv[1])
             exp.filled[h.layer] = end
             exp.bytes += h.payload_len
         self.on_bytes(h.payload_len)
