@@ -207,43 +207,57 @@ def wait_for_quiet(max_load: float, max_wait_s: float) -> float:
 
 def measure(names: list[str], results: Path, scale: float, only_workloads: list[str] | None,
             only_rates: list[float] | None = None, max_load: float = 1.5, max_wait_s: float = 300) -> None:
+    """Run every point. Split and colocated take turns workload by workload (a fresh server each
+    time), so a change in what else runs on the machine cannot favour one of them wholesale."""
     results.mkdir(parents=True, exist_ok=True)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    metas = {}
     for name in names:
-        system = systems(port)[name]
         for stale in results.glob(f"{name}--*.json"):  # a re-run replaces this system's old points
             stale.unlink()
-        meta = {"system": name, "title": system.title, "command": system.command, "env": system.env,
-                "version": versions(name), "error": None, "points": []}
-        plan = PEER_WORKLOADS if name in ("llamacpp", "vllm") else RATES
+        system = systems(port)[name]
+        metas[name] = {"system": name, "title": system.title, "command": system.command, "env": system.env,
+                       "version": versions(name), "error": None, "points": [], "start_s": [], "load_before": []}
+    units = []  # (system, {workload: rates}) per server start
+    ours = [n for n in names if n in ("split", "colocated")]
+    for workload, rates in RATES.items():
+        units += [(n, {workload: rates}) for n in ours]
+    units += [(n, dict(PEER_WORKLOADS)) for n in names if n not in ours]
+    for name, plan in units:
         plan = {w: (only_rates or r) for w, r in plan.items() if not only_workloads or w in only_workloads}
+        meta, system = metas[name], systems(port)[name]
+        if not plan or meta["error"]:
+            continue
         if not Path(system.command[0]).exists():
             meta["error"] = f"not installed ({system.command[0]} is missing; run hack/bench-peers.sh)"
-        else:
-            meta["load_before"] = round(wait_for_quiet(max_load, max_wait_s), 2)
-            print(f"[compare] starting {name} (load {meta['load_before']}): {shlex.join(system.command)}",
-                  file=sys.stderr, flush=True)
-            with Server(system, results / f"{name}.server.log") as server:
-                t0 = time.monotonic()
-                why = server.wait_ready(url)
-                meta["start_s"] = round(time.monotonic() - t0, 1)
-                if why:
-                    meta["error"] = why
-                for workload, rates in plan.items() if not why else ():
-                    for rate in rates:
-                        out = results / f"{name}--{workload}--{rate:g}.json"
-                        cmd = bench_command(system, url, workload, rate, n_prompts(rate, scale), out)
-                        print(f"[compare] {name} {workload} @ {rate:g}/s", file=sys.stderr, flush=True)
-                        rc, err = run_point(cmd)
-                        meta["points"].append({"workload": workload, "rate": rate, "json": out.name,
-                                               "command": cmd, "rc": rc, "stderr": err if rc else "",
-                                               "load_after": round(os.getloadavg()[0], 2)})
-                        if server.proc.poll() is not None:
-                            meta["error"] = f"server died during {workload} @ {rate:g}/s: {server.tail()}"
-                            break
-                    if meta["error"]:
+            continue
+        meta["load_before"].append(round(wait_for_quiet(max_load, max_wait_s), 2))
+        print(f"[compare] starting {name} (load {meta['load_before'][-1]}): {shlex.join(system.command)}",
+              file=sys.stderr, flush=True)
+        with Server(system, results / f"{name}.server.log") as server:
+            t0 = time.monotonic()
+            why = server.wait_ready(url)
+            meta["start_s"].append(round(time.monotonic() - t0, 1))
+            if why:
+                meta["error"] = why
+                continue
+            for workload, rates in plan.items():
+                for rate in rates:
+                    out = results / f"{name}--{workload}--{rate:g}.json"
+                    cmd = bench_command(system, url, workload, rate, n_prompts(rate, scale), out)
+                    print(f"[compare] {name} {workload} @ {rate:g}/s", file=sys.stderr, flush=True)
+                    rc, err = run_point(cmd)
+                    meta["points"].append({"workload": workload, "rate": rate, "json": out.name,
+                                           "command": cmd, "rc": rc, "stderr": err if rc else "",
+                                           "load_after": round(os.getloadavg()[0], 2)})
+                    if server.proc.poll() is not None:
+                        meta["error"] = f"server died during {workload} @ {rate:g}/s: {server.tail()}"
                         break
+                if meta["error"]:
+                    break
+        (results / f"{name}.meta.json").write_text(json.dumps(meta, indent=1))
+    for name, meta in metas.items():
         (results / f"{name}.meta.json").write_text(json.dumps(meta, indent=1))
 
 
@@ -406,9 +420,11 @@ def render(results: Path, img_dir: Path) -> str:
     L += ["### Systems, versions and commands", ""]
     for name, meta in metas.items():
         loads = [p["load_after"] for p in meta["points"] if "load_after" in p]
+        before = meta.get("load_before") or ["?"]
         L.append(f"- **{name}**: {meta['title']}; {meta.get('version') or 'version unknown'}; "
-                 f"ready in {meta.get('start_s', '?')} s; 1-min load average {meta.get('load_before', '?')} "
-                 f"before start, {min(loads, default='?')}-{max(loads, default='?')} after its points")
+                 f"ready in {'/'.join(map(str, meta.get('start_s') or ['?']))} s; 1-min load average "
+                 f"{'/'.join(map(str, before))} before its starts, {min(loads, default='?')}-{max(loads, default='?')} "
+                 "after its points (its own load included)")
         env = " ".join(f"{k}={v}" for k, v in meta["env"].items())
         L.append(f"  - server: `{(env + ' ') if env else ''}{_cmdline(meta['command'])}`")
         if meta["error"]:
