@@ -54,8 +54,8 @@ RATES = {"prefill-heavy": [0.25, 0.5, 1.0], "decode-heavy": [0.125, 0.25, 0.5], 
 # Peers at a subset of the same rates, so colocated has numbers beside theirs.
 PEER_WORKLOADS = {"mixed": [0.25, 0.5], "decode-heavy": [0.125, 0.25]}
 SECONDS_PER_POINT = 30  # measured requests per point = rate x this, within [MIN, MAX]
-MIN_PROMPTS, MAX_PROMPTS = 6, 30
-POINT_LIMIT_S = 120  # a point that has not finished by then is cut (an overloaded server)
+MIN_PROMPTS, MAX_PROMPTS = 6, 24
+POINT_LIMIT_S = 90  # a point that has not finished by then is cut (an overloaded server)
 
 
 @dataclass
@@ -206,7 +206,8 @@ def wait_for_quiet(max_load: float, max_wait_s: float) -> float:
 
 
 def measure(names: list[str], results: Path, scale: float, only_workloads: list[str] | None,
-            only_rates: list[float] | None = None, max_load: float = 1.5, max_wait_s: float = 300) -> None:
+            only_rates: list[float] | None = None, max_load: float = 1.5, max_wait_s: float = 300,
+            budget_s: float = math.inf) -> None:
     """Run every point. Split and colocated take turns workload by workload (a fresh server each
     time), so a change in what else runs on the machine cannot favour one of them wholesale."""
     results.mkdir(parents=True, exist_ok=True)
@@ -224,41 +225,57 @@ def measure(names: list[str], results: Path, scale: float, only_workloads: list[
     for workload, rates in RATES.items():
         units += [(n, {workload: rates}) for n in ours]
     units += [(n, dict(PEER_WORKLOADS)) for n in names if n not in ours]
-    for name, plan in units:
-        plan = {w: (only_rates or r) for w, r in plan.items() if not only_workloads or w in only_workloads}
-        meta, system = metas[name], systems(port)[name]
-        if not plan or meta["error"]:
-            continue
-        if not Path(system.command[0]).exists():
-            meta["error"] = f"not installed ({system.command[0]} is missing; run hack/bench-peers.sh)"
-            continue
-        meta["load_before"].append(round(wait_for_quiet(max_load, max_wait_s), 2))
-        print(f"[compare] starting {name} (load {meta['load_before'][-1]}): {shlex.join(system.command)}",
-              file=sys.stderr, flush=True)
-        with Server(system, results / f"{name}.server.log") as server:
-            t0 = time.monotonic()
-            why = server.wait_ready(url)
-            meta["start_s"].append(round(time.monotonic() - t0, 1))
-            if why:
-                meta["error"] = why
-                continue
-            for workload, rates in plan.items():
-                for rate in rates:
-                    out = results / f"{name}--{workload}--{rate:g}.json"
-                    cmd = bench_command(system, url, workload, rate, n_prompts(rate, scale), out)
-                    print(f"[compare] {name} {workload} @ {rate:g}/s", file=sys.stderr, flush=True)
-                    rc, err = run_point(cmd)
-                    meta["points"].append({"workload": workload, "rate": rate, "json": out.name,
-                                           "command": cmd, "rc": rc, "stderr": err if rc else "",
-                                           "load_after": round(os.getloadavg()[0], 2)})
-                    if server.proc.poll() is not None:
-                        meta["error"] = f"server died during {workload} @ {rate:g}/s: {server.tail()}"
-                        break
-                if meta["error"]:
+    deadline = time.monotonic() + budget_s
+    try:
+        for name, plan in units:
+            _unit(name, plan, metas[name], systems(port)[name], url, results, scale, only_workloads, only_rates,
+                  max_load, max_wait_s, deadline)
+            (results / f"{name}.meta.json").write_text(json.dumps(metas[name], indent=1))
+    finally:  # also on Ctrl-C: what was measured stays renderable
+        for name, meta in metas.items():
+            (results / f"{name}.meta.json").write_text(json.dumps(meta, indent=1))
+
+
+def _unit(name: str, plan: dict, meta: dict, system: System, url: str, results: Path, scale: float,
+          only_workloads: list[str] | None, only_rates: list[float] | None, max_load: float, max_wait_s: float,
+          deadline: float) -> None:
+    """One server start and the points it serves."""
+    plan = {w: (only_rates or r) for w, r in plan.items() if not only_workloads or w in only_workloads}
+    if not plan or meta["error"]:
+        return
+    if time.monotonic() > deadline:
+        meta["skipped"] = meta.get("skipped", []) + [f"{w} (time budget used up)" for w in plan]
+        return
+    if not Path(system.command[0]).exists():
+        meta["error"] = f"not installed ({system.command[0]} is missing; run hack/bench-peers.sh)"
+        return
+    meta["load_before"].append(round(wait_for_quiet(max_load, max_wait_s), 2))
+    print(f"[compare] starting {name} (load {meta['load_before'][-1]}): {shlex.join(system.command)}",
+          file=sys.stderr, flush=True)
+    with Server(system, results / f"{name}.server.log") as server:
+        t0 = time.monotonic()
+        why = server.wait_ready(url)
+        meta["start_s"].append(round(time.monotonic() - t0, 1))
+        if why:
+            meta["error"] = why
+            return
+        for workload, rates in plan.items():
+            for rate in rates:
+                if time.monotonic() > deadline:
+                    meta["skipped"] = meta.get("skipped", []) + [f"{workload} @ {rate:g}/s (time budget used up)"]
+                    continue
+                out = results / f"{name}--{workload}--{rate:g}.json"
+                cmd = bench_command(system, url, workload, rate, n_prompts(rate, scale), out)
+                print(f"[compare] {name} {workload} @ {rate:g}/s", file=sys.stderr, flush=True)
+                rc, err = run_point(cmd)
+                meta["points"].append({"workload": workload, "rate": rate, "json": out.name,
+                                       "command": cmd, "rc": rc, "stderr": err if rc else "",
+                                       "load_after": round(os.getloadavg()[0], 2)})
+                if server.proc.poll() is not None:
+                    meta["error"] = f"server died during {workload} @ {rate:g}/s: {server.tail()}"
                     break
-        (results / f"{name}.meta.json").write_text(json.dumps(meta, indent=1))
-    for name, meta in metas.items():
-        (results / f"{name}.meta.json").write_text(json.dumps(meta, indent=1))
+            if meta["error"]:
+                break
 
 
 # ---------------------------------------------------------------- rendering
@@ -429,6 +446,8 @@ def render(results: Path, img_dir: Path) -> str:
         L.append(f"  - server: `{(env + ' ') if env else ''}{_cmdline(meta['command'])}`")
         if meta["error"]:
             L.append(f"  - **did not run**: `{_one_line(meta['error'])}`")
+        if meta.get("skipped"):
+            L.append(f"  - not measured: {', '.join(meta['skipped'])}")
         failed = [p for p in meta["points"] if p["rc"]]
         for p in failed:
             L.append(f"  - {p['workload']} @ {p['rate']:g}/s: bench exit {p['rc']}: `{_one_line(p['stderr'])}`")
@@ -480,6 +499,8 @@ def main() -> int:
     ap.add_argument("--max-load", type=float, default=1.5,
                     help="wait before each system until the 1-minute load average is below this")
     ap.add_argument("--max-wait", type=float, default=300, help="seconds to wait for that at most")
+    ap.add_argument("--budget-min", type=float, default=math.inf,
+                    help="stop starting points after this many minutes; the rest are listed as not measured")
     ap.add_argument("--render-only", action="store_true", help="rebuild the section from --results")
     ap.add_argument("--doc", type=Path, default=DOC)
     args = ap.parse_args()
@@ -490,7 +511,8 @@ def main() -> int:
             ap.error(f"unknown systems: {sorted(unknown)}")
         workloads = args.workloads.split(",") if args.workloads else None
         rates = [float(r) for r in args.rates.split(",")] if args.rates else None
-        measure(names, args.results, 0.25 if args.quick else 1.0, workloads, rates, args.max_load, args.max_wait)
+        measure(names, args.results, 0.25 if args.quick else 1.0, workloads, rates, args.max_load, args.max_wait,
+                args.budget_min * 60)
     section = render(args.results, args.doc.parent / IMG_SUBDIR)
     old = args.doc.read_text() if args.doc.is_file() else ""
     args.doc.write_text(splice(old, section))
