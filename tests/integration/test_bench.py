@@ -208,9 +208,10 @@ def test_interrupt_keeps_partial_results(server, tmp_path):
     b = subprocess.Popen([PHASESPLIT, "bench", "--no-progress", "--url", server, "--input-len", "32",
                           "--output-len", "32", "--num-prompts", "40", "--max-concurrency", "1", "--warmup", "0",
                           "--output-json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    # Interrupt once a few requests have finished (a condition, not a timer).
+    # Interrupt once three requests have finished on the client's side (a condition, not a timer):
+    # with one request at a time, the fourth request's first token means the third one came back.
     for _ in range(1200):
-        if b.poll() is not None or _generated_tokens(server) - before >= 32 * 3:
+        if b.poll() is not None or _generated_tokens(server) - before >= 32 * 3 + 1:
             break
         time.sleep(0.25)
     b.send_signal(signal.SIGINT)
