@@ -73,7 +73,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="context length limit (default: the model's)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
-                   help="bytes for the KV cache, e.g. 2GiB (default: --kv-cache-fraction of free memory, at most 4GiB on CPU)")
+                   help="bytes for the KV cache, e.g. 2GiB (default: --kv-cache-fraction of free memory, at most 1GiB on CPU)")
     g.add_argument("--kv-cache-fraction", type=float, default=0.3,
                    help="fraction of free device memory for the KV cache when --kv-cache-memory is unset")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most requests in the running batch")

@@ -135,7 +135,7 @@ def build_metadata(
         pos = np.arange(width)
         gather = tables[:, pos // block_size] * block_size + pos % block_size
         mask = pos[None, :] < lens[:, None]
-        gather = np.where(mask, gather, 0)
+        gather = np.where(mask, gather, 0)  # padding reads slot 0, kept finite by the runner
         last = lens - 1
         slots = (tables[np.arange(len(decode)), last // block_size] * block_size + last % block_size).tolist()
         meta.decode_gather = torch.from_numpy(gather).to(device)
