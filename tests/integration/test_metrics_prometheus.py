@@ -99,9 +99,10 @@ def test_pod_scrape_and_prometheus_see_the_same_window(runtime, prometheus):
     send(runtime.url, model, 1)
     direct = PodScrapeSource(percentile=0.9)
     assert asyncio.run(direct.collect(pods)) is None  # first scrape only primes the window
-    # Prometheus must have a sample from before the load as well.
+    # Prometheus must have a sample from before the load as well, taken after the priming request
+    # (the runtime exports every series from start-up, so "the series exists" is not enough).
     deadline = time.monotonic() + 30
-    while prom_series_count(prometheus, f'count(phasesplit_num_requests_running{{model="{model}"}})') < 1:
+    while prom_series_count(prometheus, f'sum(phasesplit_e2e_request_latency_seconds_count{{model="{model}"}})') < 1:
         assert time.monotonic() < deadline, "prometheus never scraped the runtime"
         time.sleep(0.5)
     time.sleep(2 * SCRAPE_S)
@@ -123,7 +124,10 @@ def test_pod_scrape_and_prometheus_see_the_same_window(runtime, prometheus):
     assert psnap is not None
     # rate() extrapolates to the window's edges, so counts agree within the extrapolation.
     assert psnap.request_rate * window == pytest.approx(8, rel=0.35)
-    assert psnap.mean_prompt_tokens == pytest.approx(sum(lengths) / len(lengths), rel=0.01)
+    # rate() stops extrapolating a counter at its zero point, and that point differs between the
+    # prompt-token and request counters (their first samples differ), so their ratio drifts by a
+    # few percent even though both count exactly the same requests.
+    assert psnap.mean_prompt_tokens == pytest.approx(sum(lengths) / len(lengths), rel=0.05)
     assert psnap.ttft_p is not None and psnap.ttft_p > 0
     assert psnap.itl_p is not None and psnap.itl_p > 0
     assert psnap.ready_decode == 1 and psnap.decode_running == 0
