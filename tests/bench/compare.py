@@ -346,7 +346,8 @@ def _verdicts(data: dict, workload: str) -> list[str]:
         a, b = split[(w, rate)]["summary"], colo[(w, rate)]["summary"]
         itl = "lower" if a["itl_s"]["p99"] < b["itl_s"]["p99"] else "higher"
         ttft = "lower" if a["ttft_s"]["p50"] < b["ttft_s"]["p50"] else "higher"
-        good = "more" if a["goodput"] > b["goodput"] else ("the same" if a["goodput"] == b["goodput"] else "less")
+        ga, gb = round(a["goodput"], 2), round(b["goodput"], 2)
+        good = "more" if ga > gb else ("the same" if ga == gb else "less")
         lines.append(
             f"- {rate:g} req/s: split's ITL p99 is {itl} ({_ms(a['itl_s']['p99'])} vs {_ms(b['itl_s']['p99'])} ms, "
             f"colocated/split = {_ratio(b['itl_s']['p99'], a['itl_s']['p99'])}); TTFT p50 {ttft} "
@@ -421,6 +422,13 @@ def render(results: Path, img_dir: Path) -> str:
          "```", "",
          "Trace replays use the Azure LLM inference trace 2023 (Azure Public Dataset, CC BY 4.0; Patel et al., "
          "\"Splitwise: Efficient generative LLM inference using phase splitting\", ISCA 2024).", ""]
+    busy = [x for m in metas.values() for x in (m.get("load_before") or []) if isinstance(x, (int, float))]
+    if busy and max(busy) > 1.5:
+        L += [f"**Conditions**: other jobs shared this 2-core machine during the run (1-minute load average "
+              f"{min(busy):.1f}-{max(busy):.1f} before the servers started, see below), so absolute figures are "
+              "lower than on an idle machine; split and colocated took turns workload by workload so that the "
+              "background load fell on both. A point cut at its time limit means the server fell behind; rows "
+              "missing from a table are listed with their error under the systems.", ""]
     L += ["### Split vs colocated", ""]
     for workload in WORKLOADS:
         L += [f"#### {workload}: `{' '.join(WORKLOADS[workload])}`", ""]
