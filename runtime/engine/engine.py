@@ -50,6 +50,7 @@ class RequestOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None  # set when finish_reason is "error"
+    timing: dict[str, float] | None = None  # on the last output: seconds queued, in prefill, decoding
 
 
 class EngineObserver:
@@ -192,12 +193,13 @@ class LLMEngine:
             if self.on_reserved is not None:
                 self.on_reserved(seq)
 
-    def complete_remote(self, request_id: str, first_token: int) -> bool:
+    def complete_remote(self, request_id: str, first_token: int, transfer_s: float | None = None) -> bool:
         """The prompt's K/V arrived: join the running batch with the prefill's first token."""
         seq = self.seqs.get(request_id)
         if seq is None or seq.status is not Status.REMOTE_PREFILL or not seq.block_table:
             return False
         seq.num_computed = len(seq.prompt_ids)
+        seq.kv_transfer_s = transfer_s
         self.blocks.register_computed(seq)
         seq.status = Status.RUNNING
         self.scheduler.running.append(seq)
@@ -286,6 +288,7 @@ class LLMEngine:
                 out.text += self.streams[seq.request_id].flush()
             seq.finish_reason = reason
             out.finished, out.finish_reason = True, reason
+            out.timing = _timing(seq, now)
             self._finish(seq, now)
         return out
 
@@ -313,6 +316,16 @@ class LLMEngine:
                 if out.request_id in results:
                     results[out.request_id].extend(out.new_token_ids)
         return [results[i] for i in ids]
+
+
+def _timing(seq: Sequence, now: float) -> dict[str, float]:
+    """Where the request's time went (the bench tool reads it from the last chunk)."""
+    scheduled = seq.first_scheduled or seq.arrival
+    first = seq.first_token_time or now
+    t = {"queued_s": scheduled - seq.arrival, "prefill_s": first - scheduled, "decode_s": now - first}
+    if seq.kv_transfer_s is not None:  # split: the layer-wise transfer overlaps the remote prefill
+        t["kv_transfer_s"] = seq.kv_transfer_s
+    return t
 
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestError", "RequestOutput", "SamplingParams", "Status"]

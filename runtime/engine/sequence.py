@@ -35,6 +35,7 @@ class Sequence:
     num_preemptions: int = 0
     prefill_only: bool = False  # prefill worker: stop after the first token
     stop_text: str | None = None  # set when a stop string ends the request
+    kv_transfer_s: float | None = None  # split mode: seconds the prompt's K/V took to arrive
 
     @property
     def all_ids(self) -> list[int]:

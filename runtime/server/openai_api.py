@@ -161,9 +161,9 @@ def build_openai_app(backend: Backend, served_name: str, metrics: Metrics,
         rid = make_id("cmpl")
         if req.stream:
             return _stream(request, rid, _completion_chunks(backend, rid, ids, params, req))
-        text, reason, usage = await _collect(request, backend, rid, ids, params)
-        return CompletionResponse(id=rid, model=req.model,
-                                  choices=[CompletionChoice(text=text, finish_reason=reason)], usage=usage)
+        text, reason, usage, timing = await _collect(request, backend, rid, ids, params)
+        return CompletionResponse(id=rid, model=req.model, choices=[CompletionChoice(text=text, finish_reason=reason)],
+                                  usage=usage, phasesplit_timing=timing)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request):
@@ -181,8 +181,8 @@ def build_openai_app(backend: Backend, served_name: str, metrics: Metrics,
         rid = make_id("chatcmpl")
         if req.stream:
             return _stream(request, rid, _chat_chunks(backend, rid, ids, params, req))
-        text, reason, usage = await _collect(request, backend, rid, ids, params)
-        return ChatCompletionResponse(id=rid, model=req.model, usage=usage, choices=[
+        text, reason, usage, timing = await _collect(request, backend, rid, ids, params)
+        return ChatCompletionResponse(id=rid, model=req.model, usage=usage, phasesplit_timing=timing, choices=[
             ChatChoice(message=ChatResponseMessage(content=text), finish_reason=reason)])
 
     return app
@@ -201,7 +201,7 @@ def _usage(out: RequestOutput) -> Usage:
 
 
 async def _collect(request: Request, backend: Backend, rid: str, ids: list[int], params: SamplingParams
-                   ) -> tuple[str, str | None, Usage]:
+                   ) -> tuple[str, str | None, Usage, dict[str, float] | None]:
     """Run a non-streaming request; abort it if the client goes away."""
     parts: list[str] = []
     last: RequestOutput | None = None
@@ -228,11 +228,16 @@ async def _collect(request: Request, backend: Backend, rid: str, ids: list[int],
         log.warning("request %s failed: %s", rid, e)
         raise APIError(503, f"generation failed: {e}", "server_error") from None
     assert last is not None
-    return "".join(parts), _finish_reason(last), _usage(last)
+    return "".join(parts), _finish_reason(last), _usage(last), last.timing
 
 
 def _sse(obj: Any) -> str:
-    data = obj.model_dump_json(exclude_none=False) if hasattr(obj, "model_dump_json") else json.dumps(obj)
+    if hasattr(obj, "model_dump_json"):
+        # The timing extension rides on the last chunk only; other chunks look exactly like OpenAI's.
+        skip = {"phasesplit_timing"} if getattr(obj, "phasesplit_timing", None) is None else None
+        data = obj.model_dump_json(exclude=skip)
+    else:
+        data = json.dumps(obj)
     return f"data: {data}\n\n"
 
 
@@ -278,7 +283,8 @@ def _completion_chunks(backend: Backend, rid: str, ids: list[int], params: Sampl
                        req: CompletionRequest) -> AsyncIterator[str]:
     def chunk(out: RequestOutput | None, usage: Usage | None) -> CompletionResponse:
         choices = [] if out is None else [CompletionChoice(text=out.text, finish_reason=_finish_reason(out))]
-        return CompletionResponse(id=rid, model=req.model, choices=choices, usage=usage)
+        return CompletionResponse(id=rid, model=req.model, choices=choices, usage=usage,
+                                  phasesplit_timing=out.timing if out is not None else None)
 
     return _events(backend.generate(rid, ids, params), req.include_usage, chunk)
 
@@ -288,7 +294,8 @@ async def _chat_chunks(backend: Backend, rid: str, ids: list[int], params: Sampl
     def chunk(out: RequestOutput | None, usage: Usage | None) -> ChatCompletionChunk:
         choices = [] if out is None else [ChatChunkChoice(delta=ChatDelta(content=out.text or None),
                                                           finish_reason=_finish_reason(out))]
-        return ChatCompletionChunk(id=rid, model=req.model, choices=choices, usage=usage)
+        return ChatCompletionChunk(id=rid, model=req.model, choices=choices, usage=usage,
+                                   phasesplit_timing=out.timing if out is not None else None)
 
     yield _sse(ChatCompletionChunk(id=rid, model=req.model, choices=[
         ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))]))

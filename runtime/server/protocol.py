@@ -117,6 +117,8 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    # Extension: seconds queued / in prefill / in KV transfer / decoding, on the last chunk only.
+    phasesplit_timing: dict[str, float] | None = None
 
 
 class ChatResponseMessage(BaseModel):
@@ -138,6 +140,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    phasesplit_timing: dict[str, float] | None = None
 
 
 class ChatDelta(BaseModel):
@@ -159,6 +162,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    phasesplit_timing: dict[str, float] | None = None
 
 
 class ModelCard(BaseModel):

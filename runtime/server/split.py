@@ -238,7 +238,7 @@ class RemotePrefill:
         def on_done(first_token: int, nbytes: int, seconds: float) -> None:  # receiver thread
             self.metrics.child(self.metrics.kv_bytes).inc(nbytes)
             self.metrics.child(self.metrics.kv_transfer).observe(seconds)
-            self.aengine.call(lambda e: e.complete_remote(rid, first_token))
+            self.aengine.call(lambda e: e.complete_remote(rid, first_token, seconds))
             loop.call_soon_threadsafe(done.set)
 
         def on_fail(why: str) -> None:  # receiver thread

@@ -141,3 +141,14 @@ def test_metrics_names(server):
                  "generation_tokens_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
                  "num_preemptions_total"]:
         assert re.search(rf'^phasesplit_{name}{{.*model="{MODEL}".*phase="both"', text, re.M), name
+
+
+def test_last_chunk_reports_where_time_went(server):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "stream": True}
+    chunks = []
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert all("phasesplit_timing" not in c for c in chunks[:-1])
+    t = chunks[-1]["phasesplit_timing"]
+    assert set(t) == {"queued_s", "prefill_s", "decode_s"} and all(v >= 0 for v in t.values())
+    assert t["decode_s"] > 0

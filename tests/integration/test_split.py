@@ -99,7 +99,8 @@ def test_split_equals_colocated(split, colocated, prompts):
 
 def test_router_metrics_include_ttft_itl(split, prompts):
     router = split[2]
-    complete(router.url, prompts[0], max_tokens=4)
+    timing = complete(router.url, prompts[0], max_tokens=4)["phasesplit_timing"]
+    assert 0 < timing["kv_transfer_s"] <= timing["prefill_s"]  # the transfer happens inside the prefill
     m = httpx.get(router.url + "/metrics").text
     assert float(_sample(m, "phasesplit_time_to_first_token_seconds_count", phase="router")) > 0
     assert float(_sample(m, "phasesplit_inter_token_latency_seconds_count", phase="router")) > 0
