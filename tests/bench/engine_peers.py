@@ -164,11 +164,14 @@ class PhasesplitEngine:
                 eng.step()
             for _ in range(5):
                 eng.step()
-            t0 = time.perf_counter()
-            steps = 30
-            for _ in range(steps):
-                eng.step()
-            step_ms = (time.perf_counter() - t0) / steps * 1000
+            blocks = []
+            for _ in range(3):  # best of three blocks of 10 steps: the least disturbed by other jobs
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    eng.step()
+                blocks.append((time.perf_counter() - t0) / 10 * 1000)
+            step_ms = min(blocks)
+            la = load1()
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(10):
                     eng.step()
@@ -177,7 +180,10 @@ class PhasesplitEngine:
             n_ops = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::")) / 10
             for rid in list(eng.seqs):
                 eng.abort(rid)
-            out[f"batch{bs}"] = {"step_ms": round(step_ms, 2), "aten_ops_per_step": round(n_ops), "table": table,
+            out[f"batch{bs}"] = {"step_ms": round(step_ms, 2), "step_ms_blocks": [round(b, 2) for b in blocks],
+                                 "load1": la, "aten_ops_per_step": round(n_ops), "table": table,
+                                 "profiled_ms_per_step": round(sum(e.self_cpu_time_total for e in prof.key_averages())
+                                                               / 1000 / 10, 2),
                                  "threads": torch.get_num_threads()}
         return out
 
@@ -227,7 +233,9 @@ class LlamaCppEngine:
         cp = llama_cpp.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = self.N_CTX, 512, 512, N_REQ
         cp.n_threads = cp.n_threads_batch = THREADS
-        cp.kv_unified = True  # one cache shared by the sequences, as Llama() and llama-server set it
+        # One KV stream per sequence (n_ctx / n_seq_max cells each): with a unified cache every token's
+        # attention spans all sequences' cells (masked), 32x the work at batch 32.
+        cp.kv_unified = False
         self.bctx = llama_cpp.llama_init_from_model(self.llm.model, cp)
         if not self.bctx:
             raise RuntimeError("llama_init_from_model failed for the batched context")
@@ -236,7 +244,7 @@ class LlamaCppEngine:
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
         self.config = (f"Llama(model_path=F16_GGUF, n_ctx=2048, n_threads={THREADS}, n_threads_batch={THREADS}, "
                        "n_batch=512, n_ubatch=512); one request: Llama.generate(ids, temp=0); "
-                       f"{N_REQ} requests: a second context with n_ctx={self.N_CTX}, n_seq_max={N_REQ}, kv_unified, llama_decode over a llama_batch "
+                       f"{N_REQ} requests: a second context with n_ctx={self.N_CTX}, n_seq_max={N_REQ}, kv_unified=False, llama_decode over a llama_batch "
                        "with one seq_id per request, argmax of llama_get_logits_ith")
 
     def _clear(self) -> None:
@@ -341,18 +349,41 @@ def _git(*args: str) -> str:
         return ""
 
 
-def _timed(fn, *args) -> tuple[float, int, float, float]:
-    la0 = load1()
+def _tree_cpu_s() -> float:
+    """CPU seconds (user + system) used so far by this process and its live descendants (vLLM
+    computes in a child process). Over a timed run, divided by wall time x threads, it says how much
+    of the two cores the engine got (spin-waiting counts as used)."""
+    stats = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{d}/stat").read_text()
+        except OSError:
+            continue
+        f = raw[raw.rindex(")") + 2:].split()
+        stats[int(d)] = (int(f[1]), int(f[11]) + int(f[12]))
+    tree, grew = {os.getpid()}, True
+    while grew:
+        new = {pid for pid, (ppid, _) in stats.items() if ppid in tree} - tree
+        tree |= new
+        grew = bool(new)
+    return sum(stats[p][1] for p in tree if p in stats) / os.sysconf("SC_CLK_TCK")
+
+
+def _timed(fn, *args) -> tuple[float, int, float, float, float]:
+    la0, cpu0 = load1(), _tree_cpu_s()
     t0 = time.perf_counter()
     n = fn(*args)
-    return time.perf_counter() - t0, n, la0, load1()
+    wall = time.perf_counter() - t0
+    return wall, n, la0, load1(), (_tree_cpu_s() - cpu0) / (wall * THREADS)
 
 
-def _summary(values: list[float], loads: list[float], higher_is_better: bool = True) -> dict:
-    best_i = max(range(len(values)), key=values.__getitem__) if higher_is_better else \
-        min(range(len(values)), key=values.__getitem__)
+def _summary(values: list[float], loads: list[float], shares: list[float]) -> dict:
+    best_i = max(range(len(values)), key=values.__getitem__)
     return {"best": round(values[best_i], 1), "median": round(statistics.median(values), 1),
-            "all": [round(v, 1) for v in values], "load1_at_best": loads[best_i], "load1": loads}
+            "all": [round(v, 1) for v in values], "load1_at_best": loads[best_i], "load1": loads,
+            "cpu_share_at_best": round(shares[best_i], 2), "cpu_share": [round(x, 2) for x in shares]}
 
 
 def worker(name: str, prompts_path: Path, out_path: Path, spawned: float, do_profile: bool) -> None:
@@ -381,32 +412,37 @@ def worker(name: str, prompts_path: Path, out_path: Path, spawned: float, do_pro
         res["warmup_s"] = round(time.perf_counter() - t_warm, 1)
         print(f"[{name}] loaded, warm ({res['warmup_s']} s)", file=sys.stderr, flush=True)
 
-        vals, loads = [], []
+        vals, loads, shares = [], [], []
         for p in prompts["prefill"]:
-            t, n, la0, la1 = _timed(eng.generate, [p], 1)
+            t, n, la0, la1, sh = _timed(eng.generate, [p], 1)
             assert n == 1, n
             vals.append(PREFILL_LEN / t)
             loads.append(max(la0, la1))
-        res["prefill_tok_s"] = _summary(vals, loads)
+            shares.append(sh)
+        res["prefill_tok_s"] = _summary(vals, loads, shares)
+        save()
         print(f"[{name}] prefill {res['prefill_tok_s']}", file=sys.stderr, flush=True)
 
-        vals, loads = [], []
+        vals, loads, shares = [], [], []
         for p1, p2 in prompts["decode"]:
-            t1, n1, la0, _ = _timed(eng.generate, [p1], 1)
-            t2, n2, _, la1 = _timed(eng.generate, [p2], DECODE_TOKENS + 1)
+            t1, n1, la0, _, sh1 = _timed(eng.generate, [p1], 1)
+            t2, n2, _, la1, sh2 = _timed(eng.generate, [p2], DECODE_TOKENS + 1)
             assert (n1, n2) == (1, DECODE_TOKENS + 1), (n1, n2)
             vals.append(DECODE_TOKENS / (t2 - t1))
             loads.append(max(la0, la1))
-        res["decode_tok_s"] = _summary(vals, loads)
+            shares.append(sh2)
+        res["decode_tok_s"] = _summary(vals, loads, shares)
+        save()
         print(f"[{name}] decode {res['decode_tok_s']}", file=sys.stderr, flush=True)
 
-        vals, loads = [], []
+        vals, loads, shares = [], [], []
         for batch in prompts["offline"]:
-            t, n, la0, la1 = _timed(eng.generate, batch, OUT_LEN)
+            t, n, la0, la1, sh = _timed(eng.generate, batch, OUT_LEN)
             assert n == N_REQ * OUT_LEN, n
             vals.append(n / t)
             loads.append(max(la0, la1))
-        res["offline_tok_s"] = _summary(vals, loads)
+            shares.append(sh)
+        res["offline_tok_s"] = _summary(vals, loads, shares)
         print(f"[{name}] offline {res['offline_tok_s']}", file=sys.stderr, flush=True)
         save()
         if do_profile and hasattr(eng, "profile"):
@@ -606,7 +642,8 @@ def _fig(r: dict, key: str) -> str:
     s = r.get(key)
     if not s:
         return "-"
-    return f"{s['best']:,.0f} (load {s['load1_at_best']:.1f})"
+    share = f", cpu {s['cpu_share_at_best']:.0%}" if "cpu_share_at_best" in s else ""
+    return f"{s['best']:,.0f} (load {s['load1_at_best']:.1f}{share})"
 
 
 def _best(r: dict, key: str) -> float | None:
@@ -629,8 +666,9 @@ def render(data: dict) -> str:
          "HF transformers and vLLM: a bf16 HF folder written by this script from phasesplit's dequantized copy; llama.cpp: an F16 GGUF made "
          "by `tests/bench/gguf_f16.py`, since its AMX path crashes on Q4_1 batches here). Greedy, ignore_eos, prompts "
          "of exact token counts passed as token ids, never repeated (no prefix cache helps). Warm-up excluded; each "
-         "figure is the best of the timed runs, with the 1-minute load average (`uptime`) during that run: the machine "
-         "is shared with other jobs, so figures measured at a high load are low bounds.", "",
+         "figure is the best of the timed runs, with the 1-minute load average (`uptime`) during that run and the share "
+         "of the two cores the engine's processes got (CPU time / wall time / 2; spin-waiting counts as used): the "
+         "machine is shared with other jobs, so figures measured at a high load are low bounds.", "",
          f"- **offline**: {N_REQ} requests x {PROMPT_LEN}-token prompts x {OUT_LEN} output tokens, submitted at once; "
          "output tokens/s over the batch's wall time",
          f"- **decode**: one request, {DECODE_TOKENS} / (time({DECODE_PROMPT_LEN}-token prompt + {DECODE_TOKENS + 1} "
@@ -690,19 +728,21 @@ def render(data: dict) -> str:
                      + (f"; **failed**: `{_one_line(srv['error'])}`" if srv.get("error") else ""))
         for key in ("offline_tok_s", "decode_tok_s", "prefill_tok_s"):
             if r.get(key):
-                L.append(f"  - {key}: all runs {r[key]['all']}, median {r[key]['median']:,}, load {r[key]['load1']}")
+                L.append(f"  - {key}: all runs {r[key]['all']}, median {r[key]['median']:,}, load {r[key]['load1']}"
+                         + (f", cpu share {r[key]['cpu_share']}" if "cpu_share" in r[key] else ""))
         if r.get("error"):
             L.append(f"  - **error**: `{_one_line(r['error'])}`")
     prof = (ps or {}).get("profile")
     if prof:
         L += ["", "### Profile of phasesplit decode steps", "",
-              "`torch.profiler` (CPU) over 10 engine steps in steady decode, sorted by self CPU time; step time "
-              "measured over 30 steps without the profiler. Run by the same command (phasesplit worker, after the "
-              "timed runs)."]
+              "`torch.profiler` (CPU) over 10 engine steps in steady decode (contexts of 64-95 tokens), sorted by "
+              "self CPU time; step time: the best of three blocks of 10 steps without the profiler. Run by the same "
+              "command (phasesplit worker, after the timed runs)."]
         for key, p in prof.items():
             L += ["", f"**{key.replace('batch', 'batch ')}**: {p['step_ms']:.1f} ms per step "
                   f"({1000 / p['step_ms'] * int(key.removeprefix('batch')):,.0f} tok/s), "
-                  f"~{p['aten_ops_per_step']} aten ops per step, {p['threads']} threads", "", "```",
+                  f"~{p['aten_ops_per_step']} aten op calls per step (nested calls included), load "
+                  f"{p.get('load1', '?')}, {p['threads']} threads", "", "```",
                   *_trim_table(p["table"]), "```"]
     L += ["", f"Command: `{data['command']}` (run {data['run_at']}); raw results: `{_home(str(data['json']))}`.",
           ] + (["", "Notes:", ""] + [f"- {n}" for n in data["notes"]] if data.get("notes") else []) + [END]
