@@ -453,12 +453,12 @@ def render(results: Path, img_dir: Path) -> str:
         env = " ".join(f"{k}={v}" for k, v in meta["env"].items())
         L.append(f"  - server: `{(env + ' ') if env else ''}{_cmdline(meta['command'])}`")
         if meta["error"]:
-            L.append(f"  - **did not run**: `{_one_line(meta['error'])}`")
+            L.append(f"  - **did not run**: `{one_line(meta['error'])}`")
         if meta.get("skipped"):
             L.append(f"  - not measured: {', '.join(meta['skipped'])}")
         failed = [p for p in meta["points"] if p["rc"]]
         for p in failed:
-            L.append(f"  - {p['workload']} @ {p['rate']:g}/s: bench exit {p['rc']}: `{_one_line(p['stderr'])}`")
+            L.append(f"  - {p['workload']} @ {p['rate']:g}/s: bench exit {p['rc']}: `{one_line(p['stderr'])}`")
         notes = sorted({n for (_, _), run in data[name]["points"].items() for n in run["notes"]})
         for n in notes:
             L.append(f"  - bench note: {n}")
@@ -482,15 +482,16 @@ def _cmdline(cmd: list[str]) -> str:
     return " ".join(parts)
 
 
-def _one_line(text: str, n: int = 400) -> str:
+def one_line(text: str, n: int = 400) -> str:
     return re.sub(r"\s+", " ", text).strip()[-n:].replace("`", "'")
 
 
-def splice(doc: str, section: str) -> str:
-    """Replace the generated section, or append it; other sections stay as they are."""
-    if BEGIN in doc and END in doc:
-        head, rest = doc.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
+def splice(doc: str, section: str, begin: str = BEGIN, end: str = END) -> str:
+    """Replace the generated section between `begin` and `end`, or append it; other sections stay
+    as they are (tests/bench/engine_peers.py uses it with its own markers)."""
+    if begin in doc and end in doc:
+        head, rest = doc.split(begin, 1)
+        _, tail = rest.split(end, 1)
         return head + section.rstrip("\n") + tail
     if not doc:
         doc = "# Benchmarks\n"

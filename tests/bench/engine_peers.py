@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import shlex
 import signal
 import socket
@@ -656,6 +655,8 @@ def _home(s: str) -> str:
 
 
 def render(data: dict) -> str:
+    # Imported here: worker subprocesses run in peer venvs that lack compare.py's dependencies.
+    from compare import one_line
     runs = data["engines"]
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), "?")
@@ -725,13 +726,13 @@ def render(data: dict) -> str:
         if srv:
             env = " ".join(f"{k}={v}" for k, v in srv["env"].items())
             L.append(f"  - server: `{(env + ' ') if env else ''}{_home(shlex.join(srv['command']))}`"
-                     + (f"; **failed**: `{_one_line(srv['error'])}`" if srv.get("error") else ""))
+                     + (f"; **failed**: `{one_line(srv['error'])}`" if srv.get("error") else ""))
         for key in ("offline_tok_s", "decode_tok_s", "prefill_tok_s"):
             if r.get(key):
                 L.append(f"  - {key}: all runs {r[key]['all']}, median {r[key]['median']:,}, load {r[key]['load1']}"
                          + (f", cpu share {r[key]['cpu_share']}" if "cpu_share" in r[key] else ""))
         if r.get("error"):
-            L.append(f"  - **error**: `{_one_line(r['error'])}`")
+            L.append(f"  - **error**: `{one_line(r['error'])}`")
     prof = (ps or {}).get("profile")
     if prof:
         L += ["", "### Profile of phasesplit decode steps", "",
@@ -752,20 +753,6 @@ def render(data: dict) -> str:
 def _trim_table(table: str) -> list[str]:
     # Keep the name and the self/total CPU columns; the full table is in the JSON.
     return [ln.rstrip() for ln in table.strip().splitlines()]
-
-
-def _one_line(text: str, n: int = 400) -> str:
-    return re.sub(r"\s+", " ", text).strip()[-n:].replace("`", "'")
-
-
-def splice(doc: str, section: str) -> str:
-    if BEGIN in doc and END in doc:
-        head, rest = doc.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        return head + section.rstrip("\n") + tail
-    if not doc:
-        doc = "# Benchmarks\n"
-    return doc.rstrip("\n") + "\n\n" + section
 
 
 def main() -> int:
@@ -830,7 +817,9 @@ def main() -> int:
     print(section)
     if not args.no_doc:
         old = args.doc.read_text() if args.doc.is_file() else ""
-        args.doc.write_text(splice(old, section))
+        from compare import splice  # see render()
+
+        args.doc.write_text(splice(old, section, BEGIN, END))
         print(f"[engine_peers] wrote {args.doc}", file=sys.stderr)
     return 0
 
