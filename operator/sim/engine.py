@@ -2,7 +2,13 @@
 
 Request flow mirrors the runtime (docs/DESIGN): the router picks the decode replica with the
 most free KV and reserves the request's blocks there (prompt + output; requests wait at the
-router when no replica has room), then the prefill replica with the fewest queued tokens.
+router when no replica has room), then hands the prompt to a prefill replica. Prefill binding
+is late by default: the router keeps one FCFS queue and gives a prompt to the replica with the
+fewest queued tokens only while that replica holds less than `dispatch_cap_tokens` (about one
+chunk budget: enough that a replica never idles between prompts, little enough that a backlog
+stays at the router). A backlog then drains on every ready replica, including ones that became
+ready after it formed, instead of staying bound to the replicas it was dispatched to.
+`dispatch_cap_tokens=None` binds at arrival (the older model: fewest queued tokens, no cap).
 Prefill replicas serve their queue first come first served at a fixed token rate (chunked
 prefill keeps the throughput flat in the batch); the first token returns when the KV cache has
 crossed the network. Decode replicas run continuous batching: every running request gains one
@@ -74,6 +80,9 @@ class Replica:
         return self.removed is None and self.ready_at <= now
 
 
+# A chunked-prefill step budget: a replica holding less than this gets the next prompt.
+DISPATCH_CAP_TOKENS = 2048.0
+
 Policy = Callable[[MetricsSnapshot, dict[str, int], float], dict[str, int]]
 
 
@@ -109,8 +118,10 @@ def quantile(values: list[float], q: float) -> float | None:
 class Simulation:
     def __init__(self, requests: list[Request], profile: SimProfile, policy: Policy, initial: dict[str, int],
                  interval_s: float, slo_ttft: float, slo_itl: float, percentile: float = 0.95,
-                 duration: float | None = None, sample_s: float = 10.0):
+                 duration: float | None = None, sample_s: float = 10.0,
+                 dispatch_cap_tokens: float | None = DISPATCH_CAP_TOKENS):
         self.requests = requests
+        self.dispatch_cap = dispatch_cap_tokens
         self.p = profile
         self.policy = policy
         self.interval = interval_s
@@ -123,6 +134,9 @@ class Simulation:
         self.events: list = []
         self.seq = 0
         self.waiting: deque[int] = deque()  # requests with no decode KV room yet
+        # Late binding: prompts (with their decode reservation) not yet given to a prefill replica.
+        self.pending: deque[tuple[int, Replica]] = deque()
+        self.pending_tokens = 0.0
         self.samples: list[Sample] = []
         self._sample_reset()
         self._window_reset(0.0)
@@ -192,15 +206,29 @@ class Simulation:
             self._to_prefill(now, i, best)
 
     def _to_prefill(self, now: float, i: int, decode: Replica) -> None:
-        pool = [r for r in self.replicas if r.phase == "prefill" and r.ready(now)]
-        if not pool:  # every prefill replica draining or starting: use one that is serving
-            pool = [r for r in self.replicas if r.phase == "prefill" and r.serving(now)]
-        r = min(pool, key=lambda x: x.queued_tokens)
-        isl = self.out[i].isl
-        r.queued_tokens += isl
-        r.queue.append((i, decode))
-        if not r.busy:
-            self._start_prefill(now, r)
+        self.pending.append((i, decode))
+        self.pending_tokens += self.out[i].isl
+        self._dispatch(now)
+
+    def _dispatch(self, now: float) -> None:
+        """Give queued prompts, in order, to prefill replicas that have room under the cap."""
+        while self.pending:
+            pool = [r for r in self.replicas if r.phase == "prefill" and r.ready(now)]
+            if not pool:  # every prefill replica draining or starting: use one that is serving
+                pool = [r for r in self.replicas if r.phase == "prefill" and r.serving(now)]
+            if not pool:
+                return
+            r = min(pool, key=lambda x: x.queued_tokens)
+            # An empty replica always takes the prompt (one longer than the cap must go somewhere).
+            if self.dispatch_cap is not None and r.queued_tokens > 0 and r.queued_tokens >= self.dispatch_cap:
+                return
+            i, decode = self.pending.popleft()
+            isl = self.out[i].isl
+            self.pending_tokens -= isl
+            r.queued_tokens += isl
+            r.queue.append((i, decode))
+            if not r.busy:
+                self._start_prefill(now, r)
 
     # ---- prefill -----------------------------------------------------------------------------
     def _start_prefill(self, now: float, r: Replica) -> None:
@@ -213,9 +241,10 @@ class Simulation:
         r.queue.popleft()
         r.queued_tokens -= self.out[i].isl
         r.busy = False
-        if r.queue:
+        self._dispatch(now)  # room under the cap again: the router's queue moves on
+        if r.queue and not r.busy:
             self._start_prefill(now, r)
-        elif r.draining:
+        elif not r.queue and r.draining:
             r.removed = now
         # KV leaves layer by layer while later layers compute, so only the part of the transfer
         # that outlasts the compute (at least the last layer's share) delays the first token.
@@ -288,6 +317,7 @@ class Simulation:
     def _ready(self, now: float, r: Replica) -> None:
         if r.removed is None:
             self._admit(now)
+            self._dispatch(now)  # a new prefill replica takes its share of the router's backlog
 
     def _scale(self, now: float, phase: str, desired: int) -> None:
         desired = max(1, desired)
@@ -354,8 +384,11 @@ class Simulation:
             itl_p=weighted_quantile(self.w_itl, self.percentile),
             itl_mean=(sum(s * w for s, w in self.w_itl) / sum(w for _, w in self.w_itl))
             if self.w_itl and sum(w for _, w in self.w_itl) > 0 else None,
-            prefill_queue_tokens=sum(r.queued_tokens - (self.out[r.queue[0][0]].isl if r.busy else 0) for r in pre),
-            prefill_waiting=float(sum(max(0, len(r.queue) - 1) for r in pre)),
+            # The router's own queue (late binding) is prefill work waiting too; the router
+            # exports it beside the replicas' queues.
+            prefill_queue_tokens=self.pending_tokens
+            + sum(r.queued_tokens - (self.out[r.queue[0][0]].isl if r.busy else 0) for r in pre),
+            prefill_waiting=float(len(self.pending) + sum(max(0, len(r.queue) - 1) for r in pre)),
             decode_running=float(sum(len(r.finishing) for r in dec)),
             decode_waiting=float(len(self.waiting)),
             kv_usage=sum(r.reserved for r in dec) / (len(dec) * self.p.kv_capacity_tokens) if dec else None,
