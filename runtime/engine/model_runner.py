@@ -141,7 +141,7 @@ class ModelRunner:
                 logits_rows.append(len(ids) - 1)
                 sampled.append(seq)
         meta = build_metadata([(s.block_table, len(s)) for s in batch.decode], prefill_meta,
-                              self.block_size, self.device)
+                              self.block_size, self.device, self.dtype)
         dev = self.device
         logits = self.model(
             torch.tensor(ids, dtype=torch.long, device=dev),

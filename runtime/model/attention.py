@@ -1,8 +1,9 @@
 """Attention over a paged KV cache, on CPU and CUDA alike.
 
 New K/V are scattered into their slots first; each sequence then attends over the slots its
-block table names. Decode tokens (one query each) are batched with a padded gather and a mask;
-prefill chunks run one sequence at a time with a causal mask offset by the cached prefix.
+block table names. Decode tokens (one query each) are batched with a padded gather and an
+additive mask; prefill chunks run one sequence at a time with a causal mask offset by the cached
+prefix.
 Everything that does not depend on the layer (gather indices, masks) is built once per step in
 `AttentionMetadata`, not once per layer.
 """
@@ -31,33 +32,64 @@ class AttentionMetadata:
     num_decode: int = 0  # the first num_decode tokens are single-token decode queries
     decode_gather: torch.Tensor | None = None  # [num_decode, max_context] slots, padded
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_context] bool
+    decode_bias: torch.Tensor | None = None  # [num_decode, 1, max_context] 0 or -inf; None: no padding
     prefills: list[PrefillSegment] = field(default_factory=list)
+
+
+class LayerCache:
+    """One layer's K and V cache ([slots, kv_heads, dim] each) with their int64 row views made
+    once, not at every call: at batch 1 each extra op is a noticeable share of a decode step."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v = k, v
+        self.k_rows, self.v_rows = _int64_rows(k), _int64_rows(v)
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        kr, vr = _int64_rows(k), _int64_rows(v)
+        if self.k_rows is None or kr is None or vr is None:
+            write_rows(self.k, slots, k)
+            write_rows(self.v, slots, v)
+        else:
+            self.k_rows[slots] = kr
+            self.v_rows[slots] = vr
+
+    def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V rows of `slots`: [*slots.shape, kv_heads, dim] each."""
+        if self.k_rows is None:
+            return self.k[slots], self.v[slots]
+        flat, shape = slots.reshape(-1), (*slots.shape, *self.k.shape[1:])
+        k = torch.index_select(self.k_rows, 0, flat).view(self.k.dtype).view(shape)
+        v = torch.index_select(self.v_rows, 0, flat).view(self.v.dtype).view(shape)
+        return k, v
+
+
+def layer_caches(kv_cache: torch.Tensor) -> list[LayerCache]:
+    """Per-layer views of a [2, layers, slots, kv_heads, dim] cache."""
+    return [LayerCache(kv_cache[0, i], kv_cache[1, i]) for i in range(kv_cache.shape[1])]
 
 
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: LayerCache,
     meta: AttentionMetadata,
 ) -> torch.Tensor:
-    """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]; caches: [slots, kv_heads, dim]."""
-    write_rows(k_cache, meta.slot_mapping, k)
-    write_rows(v_cache, meta.slot_mapping, v)
+    """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]."""
+    cache.write(meta.slot_mapping, k, v)
     gqa = q.shape[1] != k.shape[1]
     if meta.num_decode and not meta.prefills:
-        return _decode(q, k_cache, v_cache, meta, gqa)
+        return _decode(q, cache, meta, gqa)
     out = torch.empty_like(q)
     if meta.num_decode:
-        out[: meta.num_decode] = _decode(q[: meta.num_decode], k_cache, v_cache, meta, gqa)
+        out[: meta.num_decode] = _decode(q[: meta.num_decode], cache, meta, gqa)
     for seg in meta.prefills:
         qs = q[seg.start : seg.start + seg.length].transpose(0, 1).unsqueeze(0)
         if seg.gather is None:
             ks = k[seg.start : seg.start + seg.length]
             vs = v[seg.start : seg.start + seg.length]
         else:
-            ks, vs = read_rows(k_cache, seg.gather), read_rows(v_cache, seg.gather)
+            ks, vs = cache.read(seg.gather)
         o = F.scaled_dot_product_attention(
             qs,
             ks.transpose(0, 1).unsqueeze(0),
@@ -70,11 +102,57 @@ def paged_attention(
     return out
 
 
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, gqa: bool):
-    ks = read_rows(k_cache, meta.decode_gather).transpose(1, 2)  # [n, kv_heads, ctx, dim]
-    vs = read_rows(v_cache, meta.decode_gather).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=meta.decode_mask, enable_gqa=gqa)
+def _decode(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, gqa: bool) -> torch.Tensor:
+    ks, vs = cache.read(meta.decode_gather)  # [n, ctx, kv_heads, dim]
+    if q.device.type == "cpu" and cache.k.shape[1] <= BLOCK_DIAGONAL_MAX_KV_HEADS:
+        return decode_block_diagonal(q, ks, vs, meta.decode_bias)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), ks.transpose(1, 2), vs.transpose(1, 2),
+                                       attn_mask=meta.decode_mask, enable_gqa=gqa)
     return o.squeeze(2)
+
+
+# Up to this many KV heads the block-diagonal form's wasted multiplies (a factor of kv_heads) cost
+# less on CPU than the copies a per-head layout needs; beyond it SDPA is used.
+BLOCK_DIAGONAL_MAX_KV_HEADS = 8
+
+_spread_cache: dict[tuple, torch.Tensor] = {}
+
+
+def _head_spread(kv_heads: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[1, kv_heads, 1, kv_heads, 1]: identity over KV heads, times the softmax scale."""
+    key = (kv_heads, dim, dtype, device)
+    t = _spread_cache.get(key)
+    if t is None:
+        t = (torch.eye(kv_heads, dtype=torch.float32) * dim**-0.5).to(dtype=dtype, device=device)
+        t = _spread_cache[key] = t.view(1, kv_heads, 1, kv_heads, 1)
+    return t
+
+
+def decode_block_diagonal(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    """Single-query attention for a batch as two plain bmm calls over the gathered rows.
+
+    q: [n, heads, dim]; ks, vs: [n, ctx, kv_heads, dim]; bias: [n, 1, ctx] (0 or -inf) or None.
+    Each sequence's keys form a contiguous [ctx, kv_heads*dim] matrix, but a per-head matmul
+    would need them as [kv_heads, ctx, dim], a strided layout that makes torch copy them (and
+    CPU SDPA for one query measured ~10x slower). Instead each query head is spread into a
+    block-diagonal row that is zero outside its KV head's `dim` columns, so q @ K^T over the
+    whole row gives that head's scores; for P @ V the matching diagonal block of the product is
+    that head's output. The extra zeros are cheap: decode attention is bound by reading K/V
+    once, which this does. Scores are rounded to q's dtype and the softmax runs in float32, as
+    in Hugging Face's eager attention.
+    """
+    n, heads, dim = q.shape
+    ctx, kv_heads = ks.shape[1], ks.shape[2]
+    group = heads // kv_heads
+    spread = _head_spread(kv_heads, dim, q.dtype, q.device)
+    q_bd = (q.view(n, kv_heads, group, 1, dim) * spread).view(n, heads, kv_heads * dim)
+    scores = torch.bmm(q_bd, ks.reshape(n, ctx, kv_heads * dim).transpose(1, 2))  # [n, heads, ctx]
+    if bias is not None:
+        scores = scores + bias
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.bmm(probs, vs.reshape(n, ctx, kv_heads * dim)).view(n, kv_heads, group, kv_heads, dim)
+    return torch.diagonal(out, dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(n, heads, dim)
 
 
 def _int64_rows(t: torch.Tensor) -> torch.Tensor | None:
@@ -115,6 +193,7 @@ def build_metadata(
     prefill: list[tuple[list[int], int, int]],
     block_size: int,
     device: torch.device,
+    dtype: torch.dtype = torch.float32,
 ) -> AttentionMetadata:
     """Metadata for one step.
 
@@ -140,6 +219,9 @@ def build_metadata(
         slots = (tables[np.arange(len(decode)), last // block_size] * block_size + last % block_size).tolist()
         meta.decode_gather = torch.from_numpy(gather).to(device)
         meta.decode_mask = torch.from_numpy(mask)[:, None, None, :].to(device)
+        if not mask.all():  # a batch of equal contexts (or one sequence) needs no mask
+            bias = np.where(mask, np.float32(0), np.float32(-np.inf))
+            meta.decode_bias = torch.from_numpy(bias)[:, None, :].to(device=device, dtype=dtype)
     start = len(decode)
     for table, cached, chunk in prefill:
         ctx = cached + chunk

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phasesplit.runtime.model.attention import AttentionMetadata, paged_attention
+from phasesplit.runtime.model.attention import AttentionMetadata, LayerCache, layer_caches, paged_attention
 from phasesplit.runtime.model.config import ModelConfig
 
 
@@ -77,15 +77,8 @@ class DecoderLayer(nn.Module):
         self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down = Linear(cfg.intermediate_size, cfg.hidden_size)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache,
+                meta: AttentionMetadata) -> torch.Tensor:
         h = F.rms_norm(x, (x.shape[-1],), self.attn_norm, self.eps)
         t = x.shape[0]
         qkv = self.qkv(h).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
@@ -93,18 +86,18 @@ class DecoderLayer(nn.Module):
         qk = apply_rope(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.num_heads + self.num_kv_heads :]
-        attn = paged_attention(q, k, v, k_cache, v_cache, meta)
-        x = x + self.o_proj(attn.reshape(t, self.q_size))
+        attn = paged_attention(q, k, v, cache, meta)
+        # addmm folds each residual add into its projection: one op and one pass fewer.
+        x = torch.addmm(x, attn.reshape(t, self.q_size), self.o_proj.weight.t())
         h = F.rms_norm(x, (x.shape[-1],), self.mlp_norm, self.eps)
         gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        return torch.addmm(x, F.silu(gate) * up, self.down.weight.t())
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (Hugging Face layout); cos/sin are [tokens, 1, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """Rotate-half RoPE (Hugging Face layout). cos is [tokens, 1, head_dim]; `sin` comes signed
+    (its first half negated, see `rope_tables`), so rotate_half(x) * sin is roll(x) * sin."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
 class LlamaModel(nn.Module):
@@ -116,11 +109,14 @@ class LlamaModel(nn.Module):
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size))
         self.lm_head = None if cfg.tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self._caches: tuple[torch.Tensor, list[LayerCache]] | None = None
 
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin ([tokens, 1, head_dim]) for `apply_rope`."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        sin = freqs.sin()
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return emb.cos().to(dtype), torch.cat((-sin, sin), dim=-1)[:, None, :].to(dtype)
 
     def forward(
         self,
@@ -138,8 +134,10 @@ class LlamaModel(nn.Module):
         """
         x = self.embed(input_ids)
         cos, sin = self.rope_tables(positions, x.dtype)
+        if self._caches is None or self._caches[0] is not kv_cache:
+            self._caches = (kv_cache, layer_caches(kv_cache))
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], meta)
+            x = layer(x, cos, sin, self._caches[1][i], meta)
             if after_layer is not None:
                 after_layer(i)
         x = F.rms_norm(x[logits_index], (x.shape[-1],), self.norm, self.cfg.rms_eps)
