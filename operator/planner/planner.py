@@ -102,14 +102,21 @@ class Planner:
         self.limiters = {p: PhaseLimiter(self.config.behavior) for p in PHASES}
         self.rates: deque[tuple[float, float]] = deque()  # (time, request rate) for surge headroom
 
-    def surge(self, now: float, rate: float) -> tuple[float, float]:
-        """(planning rate, surge factor): headroom for load that can arrive before a new replica is up.
+    def surge(self, now: float, rate: float, short: bool = False) -> tuple[float, float, bool]:
+        """(planning rate, surge factor, rising): headroom for load that can arrive before a new replica is up.
 
         A reactive planner is always one reaction time (interval + start-up) behind. If the
         recent past shows the rate multiplying within that time (flash crowds), capacity for
         such a jump is kept, up to the highest rate seen in memory; a load that drifts slowly
         (diurnal) shows no such jump and gets none. Rates are smoothed over two windows and
         jumps within Poisson noise (3σ) ignored, so a steady load earns no headroom either.
+
+        While a rise is still under way (the newest smoothed rate is the highest in memory) and
+        already outruns the capacity (`short`: an SLO miss or a queue now), its peak is not known
+        yet: the rise so far is extrapolated over one more reaction time, capped at `max_surge`
+        times the lowest rate of that reaction time. Sizing only for the rate seen so far would
+        order, a reaction time late, capacity that is already too small. A rise the capacity
+        still absorbs gets only the remembered headroom.
         """
         cfg = self.config
         self.rates.append((now, rate))
@@ -128,7 +135,19 @@ class Planner:
                     factor = max(factor, (r2 - noise) / r1)
         factor = min(factor, cfg.max_surge)
         peak = max(r for _, r in smooth)
-        return max(rate, min(rate * factor, peak)), factor
+        ceiling = peak
+        # Under way now: the newest smoothed rate is the highest in memory and stands above the
+        # lowest of the last reaction time by more than noise (a slow creep to new highs does not).
+        # (the latest time the low was seen: where the rise started)
+        t_low, low = min(((t, r) for t, r in smooth if t >= now - reaction), key=lambda x: (x[1], -x[0]))
+        t_new, newest = smooth[-1]
+        rising = (short and factor > 1 and newest >= peak and t_new > t_low
+                  and newest - low > 3 * math.sqrt(low / (2 * cfg.interval_s)))
+        if rising:
+            # The rise continued at its pace for one more reaction time, within max_surge.
+            pace = (newest - low) / (t_new - t_low)
+            ceiling = max(peak, min(newest + pace * reaction, low * cfg.max_surge))
+        return max(rate, min(rate * factor, ceiling)), factor, rising
 
     def plan(self, snap: MetricsSnapshot | None, current: dict[str, int], now: float) -> Decision:
         cfg = self.config
@@ -141,17 +160,18 @@ class Planner:
         healthy = (snap.ttft_p is None or snap.ttft_p <= cfg.ttft_s) and not any(self._bottlenecks(snap))
         calibration = self.model.calibrate(snap, cfg.prompt_scv, cfg.kv_high) if healthy else []
 
-        plan_rate, surge = self.surge(now, snap.request_rate)
+        short = (snap.ttft_p is not None and snap.ttft_p > cfg.ttft_s) or any(self._bottlenecks(snap))
+        plan_rate, surge, rising = self.surge(now, snap.request_rate, short)
         rec_p, why_p, ttft_pred, ttft_ok = self._size_prefill(_scaled(snap, plan_rate))
         rec_d, why_d, itl_pred = self._size_decode(_scaled(snap, plan_rate))
         # Tolerance against flapping (HPA's is 10 %): a phase shrinks only if it would still
-        # shrink with that much more load than measured.
+        # shrink with that much more load than measured. It guards against noise in the measured
+        # rate; a surge plan is a remembered peak, not a noisy measurement, and is not inflated.
+        tolerant = max(plan_rate, snap.request_rate * (1 + cfg.tolerance))
         if rec_p < current["prefill"]:
-            rec_p = max(rec_p, min(current["prefill"],
-                                   self._size_prefill(_scaled(snap, plan_rate * (1 + cfg.tolerance)))[0]))
+            rec_p = max(rec_p, min(current["prefill"], self._size_prefill(_scaled(snap, tolerant))[0]))
         if rec_d < current["decode"]:
-            rec_d = max(rec_d, min(current["decode"],
-                                   self._size_decode(_scaled(snap, plan_rate * (1 + cfg.tolerance)))[0]))
+            rec_d = max(rec_d, min(current["decode"], self._size_decode(_scaled(snap, tolerant))[0]))
         if plan_rate > snap.request_rate:
             note = f" (surge headroom ×{surge:.2f}: sized for {plan_rate:.1f} req/s)"
             why_p += note
@@ -166,6 +186,11 @@ class Planner:
             urgent["prefill"] = True
         if decode_bound and rec_d > current["decode"]:
             urgent["decode"] = True
+        # A rise beyond noise that is still under way needs no second window to confirm it:
+        # waiting one more interval puts the new replicas that much further behind the load.
+        if rising:
+            urgent["prefill"] |= rec_p > current["prefill"]
+            urgent["decode"] |= rec_d > current["decode"]
         # An SLO already missed beats any model (a prior can be far off, and calibration waits
         # for healthy windows): scale the phase responsible at once, in proportion to the miss,
         # from the replicas actually serving (those still starting are on their way). TTFT

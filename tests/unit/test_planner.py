@@ -293,3 +293,62 @@ def test_calibration_ignores_ttft_when_decode_is_the_bottleneck():
     planner.plan(snap(0, rate=6.0, ttft_mean=3.0, kv_usage=0.99, decode_waiting=20.0, ready_prefill=2),
                  {"prefill": 2, "decode": 2}, 0)
     assert model.prefill.tokens_per_s == 9000.0
+
+
+# ---- surge headroom -------------------------------------------------------------------------
+
+def _surge_planner() -> Planner:
+    return Planner(PlannerConfig(interval_s=15.0, prefill=PhaseLimits(1, 40), decode=PhaseLimits(1, 40)),
+                   frozen_model())
+
+
+def test_surge_headroom_is_the_remembered_peak_not_inflated_by_the_tolerance():
+    # 8/s, a flash crowd to 26/s within one reaction time, back to 8/s for longer than the
+    # scale-down window: the lull keeps capacity for the surge the memory allows (×3 of 8/s),
+    # and exactly that much, though the crowd itself needed one replica more.
+    planner = _surge_planner()
+    seq = [snap(t, rate=8.0) for t in range(0, 300, 15)]
+    seq += [snap(t, rate=26.0) for t in range(300, 420, 15)]
+    seq += [snap(t, rate=8.0) for t in range(420, 1200, 15)]
+    current = {"prefill": 1, "decode": 1}
+    peak_counts = []
+    for s in seq:
+        d = planner.plan(s, current, s.timestamp)
+        current = d.desired
+        peak_counts.append(current["prefill"])
+    assert "surge headroom" in d.prefill.reason
+    plan = float(d.prefill.reason.split("sized for ")[1].split(" req/s")[0])
+    assert 8.0 < plan <= 26.0
+    at_plan = planner._size_prefill(replace(seq[-1], request_rate=plan, prompt_token_rate=plan * 1000))[0]
+    inflated = planner._size_prefill(replace(seq[-1], request_rate=plan * 1.1, prompt_token_rate=plan * 1100))[0]
+    assert inflated > at_plan, "the load is chosen so that 10 % more would cost a replica"
+    assert current["prefill"] == at_plan
+    assert max(o for o in peak_counts) > at_plan
+
+
+def test_a_rise_that_outruns_capacity_is_extrapolated_and_not_held_for_confirmation():
+    def climb(backlog: bool) -> tuple[dict[str, int], object]:
+        planner = _surge_planner()
+        current = {"prefill": 2, "decode": 1}
+        for t in range(0, 300, 15):
+            current = planner.plan(snap(t, rate=8.0), current, t).desired
+        d = None
+        for t, rate in ((300, 11.0), (315, 15.0)):
+            kw = dict(prefill_queue_tokens=20000.0, ready_prefill=current["prefill"]) if backlog else {}
+            d = planner.plan(snap(t, rate=rate, **kw), current, t)
+            current = d.desired
+        return current, d
+
+    def plan_rate(d) -> float | None:
+        r = d.prefill.reason
+        return float(r.split("sized for ")[1].split(" req/s")[0]) if "sized for" in r else None
+
+    # A queue already builds: the rise (8 → 11 → 15/s, smoothed 8 → 9.5 → 13) is extrapolated at
+    # its pace over one more reaction time (75 s), capped at the remembered surge (×1.43 of 15/s).
+    short, d = climb(backlog=True)
+    assert plan_rate(d) == pytest.approx(15.0 * 1.43, abs=0.2)
+    # The same rise while the capacity absorbs it (no miss, no queue) is sized for 15/s (the
+    # remembered peak caps the headroom), and a prediction alone waits for a second window.
+    absorbed, d = climb(backlog=False)
+    assert plan_rate(d) is None
+    assert absorbed["prefill"] < short["prefill"]
