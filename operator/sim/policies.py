@@ -3,16 +3,9 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from phasesplit.operator.planner import (
-    Behavior,
-    DecodeProfile,
-    PerfModel,
-    Planner,
-    PlannerConfig,
-    PrefillProfile,
-)
+from phasesplit.operator.planner import Behavior, PerfModel, Planner, PlannerConfig
 from phasesplit.operator.planner.behavior import PhaseLimiter
 from phasesplit.operator.planner.snapshot import MetricsSnapshot
 from phasesplit.operator.sim.profile import SimProfile
@@ -21,12 +14,11 @@ from phasesplit.operator.sim.profile import SimProfile
 def planner_model(p: SimProfile, prior_scale: float = 1.0) -> PerfModel:
     """The planner's prior from a profile; prior_scale ≠ 1 makes it wrong on purpose (the
     planner must then calibrate its way to the truth from metrics)."""
+    pre, dec = p.prefill_profile, p.decode_profile
     return PerfModel(
-        PrefillProfile(tokens_per_s=p.prefill_tokens_per_s * prior_scale, overhead_s=p.prefill_overhead_s),
-        DecodeProfile(base_s=p.decode_base_s / prior_scale, per_seq_s=p.decode_per_seq_s / prior_scale,
-                      per_token_s=p.decode_per_token_s / prior_scale, max_batch=p.max_batch, layers=p.layers,
-                      kv_heads=p.kv_heads, head_dim=p.head_dim, dtype_bytes=p.dtype_bytes,
-                      kv_cache_bytes=p.kv_cache_bytes))
+        replace(pre, tokens_per_s=pre.tokens_per_s * prior_scale),
+        replace(dec, base_s=dec.base_s / prior_scale, per_seq_s=dec.per_seq_s / prior_scale,
+                per_token_s=dec.per_token_s / prior_scale))
 
 
 @dataclass

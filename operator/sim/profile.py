@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, fields, replace
+from functools import cached_property
 from pathlib import Path
+
+from phasesplit.operator.planner.model import DecodeProfile, PrefillProfile
 
 
 @dataclass(frozen=True)
@@ -38,13 +41,26 @@ class SimProfile:
     transfer_bytes_per_s: float = 10e9
     transfer_latency_s: float = 0.002
 
+    @cached_property
+    def decode_profile(self) -> DecodeProfile:
+        """The planner's description of one decode replica (step-time curve, KV geometry): the
+        KV formula lives there once, and the planner's exact prior is this profile."""
+        return DecodeProfile(base_s=self.decode_base_s, per_seq_s=self.decode_per_seq_s,
+                             per_token_s=self.decode_per_token_s, max_batch=self.max_batch, layers=self.layers,
+                             kv_heads=self.kv_heads, head_dim=self.head_dim, dtype_bytes=self.dtype_bytes,
+                             kv_cache_bytes=self.kv_cache_bytes)
+
+    @cached_property
+    def prefill_profile(self) -> PrefillProfile:
+        return PrefillProfile(tokens_per_s=self.prefill_tokens_per_s, overhead_s=self.prefill_overhead_s)
+
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+        return self.decode_profile.kv_bytes_per_token
 
     @property
     def kv_capacity_tokens(self) -> float:
-        return self.kv_cache_bytes / self.kv_bytes_per_token
+        return self.decode_profile.kv_capacity_tokens
 
     def to_dict(self) -> dict:
         return asdict(self)
