@@ -57,10 +57,19 @@ def _pair(text: str) -> tuple[int, int]:
     return p, d
 
 
+def _schedule(text: str) -> list[tuple[float, int, int]]:
+    from phasesplit.operator.sim.policies import parse_schedule
+
+    try:
+        return parse_schedule(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="steady",
                    help="steady | bursty | diurnal | shift | a trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens)")
-    p.add_argument("--policy", choices=("planner", "static", "hpa-queue"), default="planner")
+    p.add_argument("--policy", choices=("planner", "static", "hpa-queue", "schedule"), default="planner")
     p.add_argument("--slo", type=parse_slo, default=parse_slo("ttft=500ms,itl=50ms"),
                    help="per-request targets, e.g. ttft=500ms,itl=50ms (ITL: the request's mean gap)")
     p.add_argument("--percentile", type=float, default=0.95, help="SLO percentile the planner sizes for")
@@ -77,6 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-replicas", type=int, default=32, help="per phase")
     p.add_argument("--static", type=_pair, default=None, metavar="P,D",
                    help="--policy static: these counts instead of the searched best")
+    p.add_argument("--schedule", type=_schedule, default=None, metavar="T:P+D,...",
+                   help="--policy schedule: counts ordered from time T on, e.g. 0:3+1,165:12+8,405:5+3 "
+                        "(a clairvoyant bound for what a reactive planner could reach)")
     p.add_argument("--hpa-target", type=float, default=2.0, help="hpa-queue: waiting requests per pod")
     p.add_argument("--no-baselines", dest="baselines", action="store_false",
                    help="only the chosen policy (default: also best static and hpa-queue)")
@@ -89,7 +101,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from phasesplit.operator.sim.policies import HpaQueuePolicy, StaticPolicy, make_planner
+    from phasesplit.operator.sim.policies import HpaQueuePolicy, SchedulePolicy, StaticPolicy, make_planner
     from phasesplit.operator.sim.profile import load_profile
     from phasesplit.operator.sim.report import (
         Setup,
@@ -137,6 +149,14 @@ def run(args: argparse.Namespace) -> int:
     warm = min(args.warmup, duration / 4)
     results["planner"] = summarize(sims["planner"], "planner", name, warm)
     reference = results["planner"]["attainment"]
+    if args.policy == "schedule":
+        if not args.schedule:
+            print("phasesplit sim: --policy schedule needs --schedule T:P+D,...", file=sys.stderr)
+            return 2
+        first = args.schedule[0]
+        sim = simulate(setup, SchedulePolicy(args.schedule), {"prefill": first[1], "decode": first[2]}, args.interval)
+        results["schedule"] = summarize(sim, "schedule", name, warm)
+        sims["schedule"] = sim
     if args.policy == "static" and args.static:
         p, d = args.static
         sim = simulate(setup, StaticPolicy(p, d), {"prefill": p, "decode": d}, args.interval)
@@ -172,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"workload {name}: {len(requests)} requests over {duration:.0f} s; profile {args.profile}; "
               f"SLO TTFT {ttft * 1000:.0f} ms, ITL {itl * 1000:.0f} ms (both met = attained); "
               f"first {warm:.0f} s left out (warm-up)")
-        print(table([results[k] for k in ("planner", "static", "hpa-queue") if k in results]))
+        print(table([results[k] for k in ("planner", "schedule", "static", "hpa-queue") if k in results]))
         if "static" in results and "search" in results["static"]:
             s = results["static"]["search"]
             print(f"static: cheapest fixed counts reaching the planner's attainment "

@@ -43,6 +43,37 @@ class StaticPolicy:
 
 
 @dataclass
+class SchedulePolicy:
+    """Fixed counts that change at given times: a clairvoyant bound, not an autoscaler.
+
+    `steps` is [(from time s, prefill, decode)], sorted. A step at time t takes effect at the
+    first interval tick at or after t (an order, like any policy's; replicas still take the
+    profile's start-up to be ready). Used to ask what any reactive planner could at best reach,
+    e.g. one that orders the right counts at the first tick a burst is visible.
+    """
+
+    steps: list[tuple[float, int, int]]
+
+    def __call__(self, snap: MetricsSnapshot, current: dict[str, int], now: float) -> dict[str, int]:
+        _, p, d = max((s for s in self.steps if s[0] <= now), key=lambda s: s[0], default=self.steps[0])
+        return {"prefill": p, "decode": d}
+
+
+def parse_schedule(text: str) -> list[tuple[float, int, int]]:
+    """'0:3+1,165:12+8,405:5+3' → [(0, 3, 1), (165, 12, 8), (405, 5, 3)] (seconds: prefill+decode)."""
+    steps = []
+    for part in text.split(","):
+        at, sep, counts = part.partition(":")
+        p, plus, d = counts.partition("+")
+        if not sep or not plus:
+            raise ValueError(f"bad schedule step {part.strip()!r}: use SECONDS:PREFILL+DECODE")
+        steps.append((float(at), int(p), int(d)))
+    if not steps or min(min(p, d) for _, p, d in steps) < 1:
+        raise ValueError("replica counts must be ≥ 1")
+    return sorted(steps)
+
+
+@dataclass
 class HpaQueuePolicy:
     """What an autoscaling/v2 HPA does with one Pods metric per phase Deployment: the average
     number of requests waiting per pod (prefill queue; decode requests blocked on KV), target

@@ -142,3 +142,18 @@ def test_cli_json_contract():
 def test_cli_rejects_unknown_workload(capsys):
     assert main(["sim", "--workload", "nonesuch"]) == 2
     assert "neither" in capsys.readouterr().err
+
+
+def test_schedule_policy_orders_counts_from_their_times():
+    from phasesplit.operator.sim.policies import SchedulePolicy, parse_schedule
+
+    steps = parse_schedule("165:12+8,0:3+1,405:5+3")
+    assert steps == [(0.0, 3, 1), (165.0, 12, 8), (405.0, 5, 3)]
+    with pytest.raises(ValueError, match="SECONDS:PREFILL"):
+        parse_schedule("0:3")
+    reqs = generate("steady", 600, 2.0, 3)
+    sim = run(reqs, SchedulePolicy(steps), {"prefill": 3, "decode": 1}, 600)
+    rs = sim.replica_seconds()
+    # 3 until the 165 s tick, 12 until the 405 s tick, then 5 (draining replicas may linger a little).
+    assert rs["prefill"] == pytest.approx(3 * 165 + 12 * 240 + 5 * 195, rel=0.02)
+    assert rs["decode"] == pytest.approx(1 * 165 + 8 * 240 + 3 * 195, rel=0.02)
