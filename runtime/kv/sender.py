@@ -1,13 +1,20 @@
 """Prefill side of the KV transfer: streams layers to the decode worker from a sender thread.
 
-The engine thread only copies a finished layer's K/V out of the cache and queues it; the socket
-write happens here, while the engine computes the next layer (the overlap the split depends on).
+The engine thread only hands a finished layer's K/V over and queues it; the socket write happens
+on a link thread, while the engine computes the next layer (the overlap the split depends on).
+
+One link (a TCP connection and its thread) per decode worker address, kept open and shared by
+every transfer to that worker: a transfer then starts sending at once, instead of paying for a
+connect, an accept and two thread starts (measured at 2-4 ms of a 20 ms 2048-token transfer on
+the 2-core machine). Frames of different transfers may interleave on a link; each frame names
+its transfer, and the receiver checks order per transfer and layer.
 """
 
 from __future__ import annotations
 
 import queue
 import socket
+import struct
 import threading
 
 import torch
@@ -20,24 +27,26 @@ class TransferFailed(RuntimeError):
 
 
 class KVSender:
+    """One transfer: queue its layers, then `finish` with the first token and `wait` for the ACK."""
+
     def __init__(self, address: tuple[str, int], transfer_id: int, timeout: float = 30.0) -> None:
         self.address, self.transfer_id, self.timeout = address, transfer_id, timeout
-        self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.bytes = 0
         self.error: BaseException | None = None
         self.done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"kv-send-{transfer_id}", daemon=True)
-        self._thread.start()
+        self.link = _Link.get(address, timeout)
 
     def send_layer(self, layer: int, token_start: int, kv: torch.Tensor) -> None:
         """kv: [2, tokens, kv_heads, head_dim] on CPU, owned by the sender from now on."""
-        self.q.put((layer, token_start, kv))
+        self.link.q.put((self, (layer, token_start, kv)))
 
     def finish(self, first_token: int) -> None:
-        self.q.put(("done", first_token))
+        self.link.q.put((self, ("done", first_token)))
 
     def abort(self) -> None:
-        self.q.put(("abort", 0))
+        """Drop whatever is still queued. The decode worker learns of it from the prefill call's
+        error reply (the shared connection stays open for other transfers)."""
+        self._end(TransferFailed("transfer aborted"))
 
     def wait(self, timeout: float) -> int:
         """Block until the receiver acknowledged; returns bytes sent. Raises TransferFailed."""
@@ -48,32 +57,105 @@ class KVSender:
             raise TransferFailed(str(self.error))
         return self.bytes
 
-    def _run(self) -> None:
-        sock = None
-        try:
+    def _end(self, error: BaseException | None) -> None:
+        if not self.done.is_set():
+            self.error = error
+            self.done.set()
+
+
+class _Link:
+    """A persistent connection to one decode worker's KV port and the thread that writes to it."""
+
+    _links: dict[tuple[str, int], _Link] = {}
+    _links_lock = threading.Lock()
+
+    @classmethod
+    def get(cls, address: tuple[str, int], timeout: float) -> _Link:
+        with cls._links_lock:
+            link = cls._links.get(address)
+            if link is None:
+                link = cls._links[address] = cls(address, timeout)
+            return link
+
+    def __init__(self, address: tuple[str, int], timeout: float) -> None:
+        self.address, self.timeout = address, timeout
+        self.q: queue.SimpleQueue[tuple[KVSender, tuple]] = queue.SimpleQueue()
+        self.sock: socket.socket | None = None
+        self.active: set[KVSender] = set()  # transfers with frames on the current connection
+        threading.Thread(target=self._run, name=f"kv-link-{address[0]}:{address[1]}", daemon=True).start()
+
+    def _connect(self) -> socket.socket:
+        if self.sock is not None and not _alive(self.sock):
+            self._drop(None)  # the decode worker restarted or closed an idle link: reconnect quietly
+        if self.sock is None:
             sock = socket.create_connection(self.address, timeout=self.timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            while True:
-                item = self.q.get()
-                if item[0] == "abort":
-                    raise TransferFailed("transfer aborted")
+            # A Python timeout makes the socket non-blocking with a poll() before every send;
+            # a blocking socket with kernel timeouts measured ~20% faster for a 45 MiB transfer.
+            sock.settimeout(None)
+            tv = struct.pack("ll", int(self.timeout), int(self.timeout % 1 * 1e6))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            self.sock = sock
+        return self.sock
+
+    def _drop(self, error: BaseException | None) -> None:
+        """Close the connection; every transfer that had frames on it fails (they may be lost)."""
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        for sender in self.active:
+            sender._end(error or TransferFailed(f"connection to {self.address} closed"))
+        self.active.clear()
+
+    def _run(self) -> None:
+        while True:
+            sender, item = self.q.get()
+            if sender.done.is_set():
+                continue  # aborted or failed: its remaining frames are not sent
+            try:
+                sock = self._connect()
                 if item[0] == "done":
-                    sock.sendall(Header(DONE, self.transfer_id, value=item[1]).pack())
-                    reply = _recv_exact(sock, HEADER_SIZE)
-                    if Header.unpack(reply).kind != ACK:
-                        raise TransferFailed(f"decode worker {self.address} refused the transfer")
-                    return
+                    sock.sendall(Header(DONE, sender.transfer_id, value=item[1]).pack())
+                    reply = Header.unpack(_recv_exact(sock, HEADER_SIZE))
+                    self.active.discard(sender)
+                    if reply.kind != ACK or reply.transfer_id != sender.transfer_id:
+                        sender._end(TransferFailed(f"decode worker {self.address} refused the transfer"))
+                    else:
+                        sender._end(None)
+                    continue
                 layer, start, kv = item
-                head, payload = data_frame(self.transfer_id, layer, start, kv)
-                sock.sendall(head)
-                sock.sendall(payload)
-                self.bytes += len(head) + payload.nbytes
-        except BaseException as e:  # noqa: BLE001 - handed to the waiting request
-            self.error = e
-        finally:
-            if sock is not None:
-                sock.close()
-            self.done.set()
+                head, payload = data_frame(sender.transfer_id, layer, start, kv)
+                self.active.add(sender)
+                _send_all(sock, [memoryview(head), payload])
+                sender.bytes += len(head) + payload.nbytes
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting transfers
+                self.active.add(sender)
+                self._drop(e)
+
+
+def _alive(sock: socket.socket) -> bool:
+    """False when the peer closed the connection (or sent something unasked: the receiver only
+    ever answers a DONE, so that is a confused link too)."""
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+def _send_all(sock: socket.socket, parts: list[memoryview]) -> None:
+    """Header and payload in one sendmsg: one syscall per frame, and with TCP_NODELAY the 64-byte
+    header does not go out as a packet of its own."""
+    while parts:
+        sent = sock.sendmsg(parts)
+        while parts and sent >= parts[0].nbytes:
+            sent -= parts[0].nbytes
+            parts.pop(0)
+        if parts and sent:
+            parts[0] = parts[0][sent:]
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
