@@ -125,8 +125,14 @@ class BlockManager:
         seq.num_registered = full
 
     def free_seq(self, seq: Sequence) -> None:
+        self.free_blocks(seq.block_table)
+        seq.block_table = []
+        seq.num_registered = 0
+
+    def free_blocks(self, blocks: list[int]) -> None:
+        """Drop one reference to each block (a sequence's table, or blocks held apart from it)."""
         # Tail blocks first into the free list: they are evicted before the shared prefix.
-        for block in reversed(seq.block_table):
+        for block in reversed(blocks):
             self.ref[block] -= 1
             if self.ref[block] == 0:
                 if self.hash_of[block] is None:
@@ -134,8 +140,6 @@ class BlockManager:
                     self.free.move_to_end(block, last=False)  # nothing cached: reuse first
                 else:
                     self.free[block] = None
-        seq.block_table = []
-        seq.num_registered = 0
 
     @property
     def num_allocated(self) -> int:

@@ -7,6 +7,7 @@ conditions and frees blocks the moment a request ends or is aborted.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -120,6 +121,13 @@ class LLMEngine:
         # Split mode, decode side: requests whose prompt a prefill worker computes.
         self.remote_waiting: list[Sequence] = []  # waiting for blocks to reserve
         self.on_reserved: Callable[[Sequence], None] | None = None
+        # Called when a request's reserved blocks are about to be dropped before its K/V arrived
+        # (abort, failure, local fallback): it must stop the transfer, and returns False when a
+        # frame is still being received into those blocks. They are then held, not freed, until
+        # `release_held(key)` says the frame has ended, so they cannot be handed to another request.
+        self.on_remote_end: Callable[[Sequence, int], bool] | None = None
+        self.held: dict[int, list[int]] = {}  # hold key -> blocks kept for a frame in flight
+        self._hold_keys = itertools.count()
         # Split mode, prefill side.
         self.kv_export: KVExport | None = None
 
@@ -213,11 +221,28 @@ class LLMEngine:
             return False
         if seq in self.remote_waiting:
             self.remote_waiting.remove(seq)
-        self.blocks.free_seq(seq)
+        self._drop_remote_blocks(seq)
         seq.num_computed = 0
         seq.status = Status.WAITING
         self.scheduler.waiting.appendleft(seq)
         return True
+
+    def _drop_remote_blocks(self, seq: Sequence) -> None:
+        """Free a remote-prefill sequence's reservation, or hold it while a frame is landing in it."""
+        if seq.block_table and self.on_remote_end is not None:
+            key = next(self._hold_keys)
+            if not self.on_remote_end(seq, key):
+                self.held[key] = seq.block_table
+                seq.block_table = []
+                seq.num_registered = 0
+                return
+        self.blocks.free_seq(seq)
+
+    def release_held(self, key: int) -> None:
+        """The frame that was landing in held blocks has ended: they may be reused now."""
+        blocks = self.held.pop(key, None)
+        if blocks is not None:
+            self.blocks.free_blocks(blocks)
 
     def fail(self, request_id: str, message: str) -> None:
         """End a request with an error the client will see."""
@@ -295,6 +320,8 @@ class LLMEngine:
     def _finish(self, seq: Sequence, now: float) -> None:
         if seq in self.remote_waiting:
             self.remote_waiting.remove(seq)
+        if seq.status is Status.REMOTE_PREFILL:
+            self._drop_remote_blocks(seq)
         self.scheduler.finish(seq)
         self.seqs.pop(seq.request_id, None)
         self.streams.pop(seq.request_id, None)

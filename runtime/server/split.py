@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import json
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
@@ -171,6 +172,14 @@ def build_prefill_app(args: argparse.Namespace) -> FastAPI:
 # -- decode worker ------------------------------------------------------------------------------
 
 
+class _Remote:
+    """A reserved request's remote prefill, shared by the engine thread and the event loop."""
+
+    def __init__(self) -> None:
+        self.tid: int | None = None  # transfer being received into its blocks, if any
+        self.ended = False  # the engine dropped the reservation: start no transfer into it
+
+
 class RemotePrefill:
     """Runs the remote prefill of reserved requests and applies the failure policy."""
 
@@ -181,7 +190,10 @@ class RemotePrefill:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.urls: dict[str, list[str]] = {}  # request -> prefill candidates, best first
         self.tasks: dict[str, asyncio.Task] = {}
-        self.transfer_of: dict[str, int] = {}  # request -> transfer id in flight
+        # Guards `remote` between the engine thread (reservations end there) and the event loop
+        # (transfers start there), so no transfer can start into blocks the engine let go of.
+        self.lock = threading.Lock()
+        self.remote: dict[str, _Remote] = {}
         self.ids = itertools.count(int(time.time() * 1000) << 16)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(args.prefill_timeout, connect=5.0))
 
@@ -189,18 +201,38 @@ class RemotePrefill:
         """Engine thread: blocks are reserved; start filling them from a prefill worker."""
         slots = self.aengine.engine.runner.slots(seq, 0, len(seq.prompt_ids)).cpu()
         skip = seq.num_computed
+        with self.lock:
+            self.remote[seq.request_id] = _Remote()
         args = (seq.request_id, list(seq.prompt_ids), asdict(seq.params), slots, skip)
         assert self.loop is not None
         self.loop.call_soon_threadsafe(self._start, *args)
 
-    def _start(self, rid: str, prompt: list[int], params: dict, slots, skip: int) -> None:
-        self.tasks[rid] = asyncio.ensure_future(self._run(rid, prompt, params, slots, skip))
+    def on_remote_end(self, seq: Sequence, key: int) -> bool:
+        """Engine thread: the reservation is being dropped (abort, failure, local fallback).
+        Returns True when no K/V frame is landing in it; otherwise the engine holds the blocks
+        until the receiver reports the frame's end (`release_held(key)`)."""
+        rid = seq.request_id
+        with self.lock:
+            st = self.remote.get(rid)
+            if st is None:
+                return True
+            st.ended = True
+            tid = st.tid
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(self._stop, rid)
+        if tid is None:
+            return True
+        return self.receiver.cancel(tid, lambda: self.aengine.call(lambda e: e.release_held(key)))
 
-    def cancel(self, rid: str) -> None:
-        """Stop accepting K/V for the request at once, then stop its prefill call."""
-        tid = self.transfer_of.pop(rid, None)
-        if tid is not None:
-            self.receiver.cancel(tid)
+    def _start(self, rid: str, prompt: list[int], params: dict, slots, skip: int) -> None:
+        with self.lock:
+            st = self.remote.get(rid)
+            if st is None or st.ended:  # aborted before the loop got here
+                self.remote.pop(rid, None)
+                return
+        self.tasks[rid] = asyncio.ensure_future(self._run(rid, st, prompt, params, slots, skip))
+
+    def _stop(self, rid: str) -> None:
         task = self.tasks.pop(rid, None)
         if task is not None:
             task.cancel()
@@ -210,12 +242,14 @@ class RemotePrefill:
         policy = self.args.on_prefill_failure
         return urls[:1] if policy in ("local", "fail") else urls[:2] if policy == "retry-local" else urls
 
-    async def _run(self, rid: str, prompt: list[int], params: dict, slots, skip: int) -> None:
+    async def _run(self, rid: str, st: _Remote, prompt: list[int], params: dict, slots, skip: int) -> None:
         errors = []
         try:
             for url in self._attempts(rid):
+                if st.ended:  # aborted or failed meanwhile: nothing to fall back for
+                    return
                 try:
-                    await self._attempt(url, rid, prompt, params, slots, skip)
+                    await self._attempt(url, rid, st, prompt, params, slots, skip)
                     return
                 except (httpx.HTTPError, TransferFailed, asyncio.TimeoutError, RemoteError) as e:
                     errors.append(f"{url}: {e or type(e).__name__}")
@@ -227,9 +261,14 @@ class RemotePrefill:
             else:
                 self.aengine.call(lambda e: e.fail(rid, f"prefill failed: {why}"))
         finally:
-            self.tasks.pop(rid, None)
+            with self.lock:
+                if self.remote.get(rid) is st:
+                    del self.remote[rid]
+            if self.tasks.get(rid) is asyncio.current_task():
+                del self.tasks[rid]
 
-    async def _attempt(self, url: str, rid: str, prompt: list[int], params: dict, slots, skip: int) -> None:
+    async def _attempt(self, url: str, rid: str, st: _Remote, prompt: list[int], params: dict, slots,
+                       skip: int) -> None:
         tid = next(self.ids)
         done = asyncio.Event()
         failure: list[str] = []
@@ -245,8 +284,11 @@ class RemotePrefill:
             failure.append(why)
             loop.call_soon_threadsafe(done.set)
 
-        self.receiver.expect(tid, slots, skip, on_done, on_fail)
-        self.transfer_of[rid] = tid
+        with self.lock:
+            if st.ended:
+                raise RemoteError("the request ended before its prefill started")
+            self.receiver.expect(tid, slots, skip, on_done, on_fail)
+            st.tid = tid
         body = {"request_id": rid, "prompt_ids": prompt, "params": params, "kv_host": self.kv_host,
                 "kv_port": self.receiver.port, "transfer_id": tid, "skip": skip}
         try:
@@ -258,8 +300,14 @@ class RemotePrefill:
             if failure:
                 raise RemoteError(failure[0])
         finally:
-            self.receiver.cancel(tid)  # late frames of a failed attempt can no longer land
-            self.transfer_of.pop(rid, None)
+            # Late frames of this attempt can no longer land; one already landing is waited for
+            # (its connection is cut, so it ends at once) before the blocks are retried or freed.
+            released = asyncio.Event()
+            if not self.receiver.cancel(tid, lambda: loop.call_soon_threadsafe(released.set)):
+                await released.wait()
+            with self.lock:
+                if st.tid == tid:
+                    st.tid = None
 
 
 class RemoteError(RuntimeError):
@@ -274,6 +322,7 @@ def build_decode_app(args: argparse.Namespace) -> FastAPI:
     aengine = AsyncEngine(engine)
     remote = RemotePrefill(args, aengine, receiver, metrics, kv_host)
     engine.on_reserved = remote.on_reserved
+    engine.on_remote_end = remote.on_remote_end
     app = FastAPI(title="phasesplit decode worker", docs_url=None, redoc_url=None)
     install_error_handlers(app)
     add_common_routes(app, metrics, ready=lambda: (aengine.error is None, str(aengine.error or "ok")))
@@ -315,8 +364,8 @@ def build_decode_app(args: argparse.Namespace) -> FastAPI:
             except Exception as e:  # noqa: BLE001 - the router turns this into an error event
                 yield (json.dumps({"error": str(e)}) + "\n").encode()
             finally:
-                # Order matters: refuse late K/V frames first, then abort (which frees the blocks).
-                remote.cancel(call.request_id)
+                # The abort reaches the engine, which stops the transfer (engine.on_remote_end)
+                # and frees the blocks, or holds them while a frame is still landing in them.
                 remote.urls.pop(call.request_id, None)
                 await outputs.aclose()
 

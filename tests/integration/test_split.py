@@ -222,3 +222,41 @@ def test_kill_decode_worker_mid_stream(logs, prompts):
     finally:
         for p in (prefill, decode, router):
             p.stop()
+
+
+def test_reservation_is_held_while_a_frame_lands():
+    """A remote request aborted while a K/V frame is still being received into its blocks: the
+    blocks stay allocated (no other request can get them) until the receiver reports the frame's
+    end, then they are freed. The same holds when the request falls back to a local prefill."""
+    from phasesplit.runtime.engine.engine import EngineConfig, LLMEngine
+    from phasesplit.runtime.engine.model_runner import RunnerConfig
+    from phasesplit.runtime.engine.sampling import SamplingParams
+
+    engine = LLMEngine("smollm2", EngineConfig(runner=RunnerConfig(dtype="float32", kv_cache_memory=16 << 20)))
+    landing: dict[str, int] = {}
+
+    def on_remote_end(seq, key: int) -> bool:
+        landing[seq.request_id] = key
+        return False  # a frame is in flight
+
+    engine.on_remote_end = on_remote_end
+    seq = engine.add_remote("a", list(range(1, 70)), SamplingParams(max_tokens=4))
+    reserved = list(seq.block_table)
+    assert reserved and engine.blocks.num_allocated == len(reserved)
+    engine.abort("a")
+    assert "a" not in engine.seqs
+    assert engine.blocks.num_allocated == len(reserved), "held, not freed"
+    other = engine.add_remote("b", list(range(1, 70)), SamplingParams(max_tokens=4))
+    assert not set(other.block_table) & set(reserved)
+    engine.release_held(landing["a"])
+    held = len(other.block_table)
+    assert engine.blocks.num_allocated == held
+    engine.prefill_locally("b")  # blocks dropped while landing: held apart, the request goes on
+    assert not other.block_table and engine.blocks.num_allocated == held
+    engine.release_held(landing["b"])
+    assert engine.blocks.num_allocated == 0
+    engine.on_remote_end = None
+    out = engine.step()  # computes its prompt here now
+    assert out and out[0].request_id == "b"
+    engine.abort("b")
+    assert engine.blocks.num_allocated == 0
