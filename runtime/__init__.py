@@ -2,9 +2,13 @@
 
 import os
 
-# OpenMP threads that spin while waiting turn every one of the ~1,000 small ops of a decode step
-# into a wait on a descheduled sibling as soon as anything else runs on the node (a router, a
-# sidecar, a noisy neighbour, a CFS quota): measured here, 2 threads with spinning fell from 22
-# to 2.3 tokens/s when one other process was busy. Sleeping waiters cost little and avoid that.
-# Set before torch loads OpenMP; an explicit setting in the environment wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# How OpenMP threads wait between the ~1,000 small ops of a decode step decides single-stream
+# speed on CPU. Sleeping at once (OMP_WAIT_POLICY=PASSIVE) costs a futex wake per parallel op:
+# measured here through the router, 21 tokens/s against 34 with a short spin. Spinning forever
+# (ACTIVE) gains nothing more and, when another process is busy on the same cores, made a step
+# 2-10x slower. So spin briefly (libgomp counts ~10k pause loops, tens of microseconds: enough to
+# bridge the gap between two ops, not an idle wait) and then sleep. On cores shared with other
+# busy work set OMP_WAIT_POLICY=PASSIVE; an explicit setting in the environment wins. Set before
+# torch loads OpenMP. The thread count itself follows the CPU quota (model_runner.cpu_threads).
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["GOMP_SPINCOUNT"] = "10000"

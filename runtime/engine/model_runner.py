@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -65,6 +66,37 @@ def _cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def cpu_threads() -> int | None:
+    """CPUs this process may really use: its affinity mask, capped by a cgroup CPU quota.
+
+    In a pod with `limits.cpu: 2` on a 64-core node the affinity mask still lists 64 CPUs; 64
+    OpenMP threads sharing two CPUs' worth of quota wait on each other at every op and get
+    throttled by CFS.
+    """
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    n = len(os.sched_getaffinity(0))
+    quota = _cgroup_cpu_quota()
+    return max(1, min(n, math.ceil(quota))) if quota else n
+
+
+def _cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
+    try:  # cgroup v2: "max 100000" or "<quota> <period>"
+        with open(f"{root}/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:  # cgroup v1
+        with open(f"{root}/cpu/cpu.cfs_quota_us") as f:
+            quota_us = int(f.read())
+        with open(f"{root}/cpu/cpu.cfs_period_us") as f:
+            period_us = int(f.read())
+        return None if quota_us <= 0 else quota_us / period_us
+    except (OSError, ValueError):
+        return None
+
+
 def available_memory(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -79,10 +111,8 @@ def available_memory(device: torch.device) -> int:
 class ModelRunner:
     def __init__(self, files: ModelFiles, rc: RunnerConfig) -> None:
         t0 = time.perf_counter()
-        if rc.threads:
-            torch.set_num_threads(rc.threads)
-        elif hasattr(os, "sched_getaffinity"):
-            torch.set_num_threads(len(os.sched_getaffinity(0)))
+        if threads := rc.threads or cpu_threads():
+            torch.set_num_threads(threads)
         self.device = pick_device(rc.device)
         self.dtype = pick_dtype(rc.dtype, self.device)
         self.cfg: ModelConfig = read_config(files)

@@ -69,3 +69,4 @@ def test_paged_decode_reads_each_sequence_own_blocks() -> None:
         torch.testing.assert_close(paged_attention(q, new_k, new_v, layer, meta), reference(q, hist_k, hist_v))
     finally:
         attention.BLOCK_DIAGONAL_MAX_KV_HEADS = old
+
