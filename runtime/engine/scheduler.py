@@ -1,8 +1,9 @@
 """Continuous batching with chunked prefill and preemption by recomputation.
 
 Every step the scheduler fills a token budget: first one token for each decoding sequence (so
-a long prompt never stalls running streams), then prefill chunks for sequences still reading
-their prompt, then newly admitted requests. When the cache runs out the most recently admitted
+a long prompt never stalls running streams), then prompt chunks, shortest remaining prompt
+first (started or newly admitted alike), with a quarter of the step kept for the oldest started
+prompt so that long prompts still progress. When the cache runs out the most recently admitted
 sequence is preempted: its blocks are freed and it goes back to the front of the queue, to be
 recomputed (its prefix blocks often survive in the prefix cache).
 """
@@ -70,25 +71,43 @@ class Scheduler:
             self.blocks.grow(seq, len(seq))
             batch.decode.append(seq)
         budget = self.budget - len(batch.decode)
-        # 2. Sequences part-way through their prompt continue with the next chunk.
-        for seq in [s for s in self.running if s.status is Status.RUNNING and s.uncomputed > 1]:
+        # 2. Prompt work: sequences part-way through their prompt, then waiting requests, the
+        # shortest remaining prompt first, so a chat is not stuck behind every chunk of a long
+        # document (FIFO made chat TTFT wait for whole 1600-token prefills). The oldest started
+        # prompt is first granted a quarter of the step, so a stream of short prompts cannot
+        # starve a long one.
+        partial = [s for s in self.running if s.status is Status.RUNNING and s.uncomputed > 1]
+        grants: dict[int, int] = {}  # id(seq) -> prompt tokens this step
+        if partial and budget > 0:
+            grants[id(partial[0])] = min(partial[0].uncomputed, max(1, self.budget // 4), budget)
+            budget -= grants[id(partial[0])]
+        for seq in sorted([*partial, *self.waiting], key=lambda s: s.uncomputed):  # stable: FIFO ties
             if budget == 0:
                 break
-            chunk = min(seq.uncomputed, budget)
-            batch.prefill.append((seq, chunk))
-            budget -= chunk
-        # 3. Admit waiting requests while the budget, batch size and cache allow.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if not self.blocks.can_allocate(seq):
+            if seq.status is Status.RUNNING:
+                extra = min(seq.uncomputed - grants.get(id(seq), 0), budget)
+                if extra > 0:
+                    grants[id(seq)] = grants.get(id(seq), 0) + extra
+                    budget -= extra
+                    if seq is not partial[0]:
+                        batch.prefill.append((seq, 0))  # placeholder, sized below
+                continue
+            # 3. Admit a waiting request while the batch size and cache allow.
+            if len(self.running) >= self.max_num_seqs:
                 break
-            self.waiting.popleft()
+            if not self.blocks.can_allocate(seq):
+                break  # longer prompts would not fit either; do not let them jump the queue
+            self.waiting.remove(seq)
             self.blocks.allocate(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
             chunk = min(seq.uncomputed, budget)
-            batch.prefill.append((seq, chunk))
+            grants[id(seq)] = chunk
+            batch.prefill.append((seq, 0))
             budget -= chunk
+        if partial and id(partial[0]) in grants:
+            batch.prefill.insert(0, (partial[0], 0))
+        batch.prefill = [(seq, grants[id(seq)]) for seq, _ in batch.prefill]
         return batch
 
     def _newest_preemptible(self, exclude: Sequence) -> Sequence | None:

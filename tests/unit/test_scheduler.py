@@ -55,3 +55,37 @@ def test_admission_respects_max_num_seqs():
         sched.add(Sequence(str(i), [i, i + 1], SamplingParams()))
     b = sched.schedule()
     assert len(b.prefill) == 2 and len(sched.waiting) == 1
+
+
+def test_short_prompt_passes_a_long_one_which_still_progresses():
+    sched = Scheduler(BlockManager(200, 4, prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=16)
+    doc = Sequence("doc", list(range(100)), SamplingParams())
+    sched.add(doc)
+    run(sched, sched.schedule())  # the document starts: 16 of 100 tokens
+    assert doc.num_computed == 16
+    chat = Sequence("chat", [1, 2, 3, 4, 5, 6], SamplingParams())
+    sched.add(chat)
+    b = sched.schedule()
+    got = {s.request_id: n for s, n in b.prefill}
+    assert got == {"chat": 6, "doc": 10}, "the chat is prefilled whole at once, the document gets the rest"
+    run(sched, b)
+    # A stream of short prompts, one per step: each is through its prompt by the step after it
+    # arrived, and the document still advances by at least a quarter of every step.
+    arrived: dict[str, int] = {}
+    step = 0
+    while doc.num_computed < 100:
+        short = Sequence(f"s{step}", [7] * 8, SamplingParams(max_tokens=1))
+        sched.add(short)
+        arrived[short.request_id] = step
+        before = doc.num_computed
+        b = sched.schedule()
+        got = {s.request_id: n for s, n in b.prefill}
+        idle = len(b.decode) + sum(got.values()) < 16
+        assert not idle or (got["doc"] == 100 - before and not sched.waiting), "budget left idle"
+        assert got["doc"] >= min(4, 100 - before)
+        run(sched, b)
+        for s in [s for s in sched.running if s.request_id.startswith("s") and s.output_ids]:
+            assert step - arrived[s.request_id] <= 1
+            sched.finish(s)  # max_tokens=1: done after the first token
+        step += 1
+    assert step <= 21
