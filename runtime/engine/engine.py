@@ -277,7 +277,8 @@ class LLMEngine:
         for seq, _ in batch.prefill:
             self.blocks.register_computed(seq)
         banned = [self._banned(s) for s in sampled]
-        tokens = self.sampler.sample(logits, [s.params for s in sampled], [s.request_id for s in sampled], banned)
+        tokens = self.sampler.sample(logits, [s.params for s in sampled], [s.request_id for s in sampled], banned,
+                                     [len(s.output_ids) for s in sampled])
         now = time.monotonic()
         for seq, token in zip(sampled, tokens, strict=True):
             outputs.append(self._append_token(seq, token, now))
@@ -325,7 +326,6 @@ class LLMEngine:
         self.scheduler.finish(seq)
         self.seqs.pop(seq.request_id, None)
         self.streams.pop(seq.request_id, None)
-        self.sampler.forget(seq.request_id)
         self.observer.on_finished(seq, now)
 
     # -- offline use --------------------------------------------------------------------------

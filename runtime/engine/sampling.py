@@ -36,30 +36,41 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
 
+def token_seed(seed: int, index: int) -> int:
+    """The generator seed for output token `index` of a request seeded with `seed` (splitmix64).
+
+    Deriving it from (seed, index) instead of keeping a generator per request makes a seeded
+    request's tokens independent of where they are sampled: in split mode the prefill worker
+    samples token 0 and the decode worker the rest, and they match the colocated run."""
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
 class Sampler:
-    """Picks one token per row of logits. Seeded requests own a generator, so the same seed gives
-    the same tokens whatever else is in the batch."""
+    """Picks one token per row of logits. A seeded request's token i is drawn with a generator
+    seeded from (seed, i), so the same seed gives the same tokens whatever else is in the batch
+    and whichever worker samples them."""
 
     def __init__(self) -> None:
-        self.generators: dict[str, torch.Generator] = {}
-
-    def forget(self, request_id: str) -> None:
-        self.generators.pop(request_id, None)
+        self._gen: dict[torch.device, torch.Generator] = {}
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str],
-               banned: list[list[int]]) -> list[int]:
-        """logits: [rows, vocab] float32. banned[i]: token ids not allowed in row i (min_tokens)."""
+               banned: list[list[int]], indices: list[int] | None = None) -> list[int]:
+        """logits: [rows, vocab] float32. banned[i]: token ids not allowed in row i (min_tokens).
+        indices[i]: which output token of its request row i is (0 for the first); default 0."""
         for i, ban in enumerate(banned):
             if ban:
                 logits[i, ban] = float("-inf")
         out = logits.argmax(dim=-1).tolist()
         for i, p in enumerate(params):
             if not p.greedy:
-                out[i] = self._sample_row(logits[i], p, request_ids[i])
+                out[i] = self._sample_row(logits[i], p, indices[i] if indices is not None else 0)
         return out
 
-    def _sample_row(self, row: torch.Tensor, p: SamplingParams, request_id: str) -> int:
+    def _sample_row(self, row: torch.Tensor, p: SamplingParams, index: int) -> int:
         row = row / p.temperature
         if p.top_k > 0 and p.top_k < row.numel():
             kth = torch.topk(row, p.top_k).values[-1]
@@ -73,9 +84,8 @@ class Sampler:
             probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
         gen = None
         if p.seed is not None:
-            gen = self.generators.get(request_id)
+            gen = self._gen.get(row.device)
             if gen is None:
-                gen = torch.Generator(device=row.device)
-                gen.manual_seed(p.seed)
-                self.generators[request_id] = gen
+                gen = self._gen[row.device] = torch.Generator(device=row.device)
+            gen.manual_seed(token_seed(p.seed, index))
         return int(torch.multinomial(probs, 1, generator=gen).item())

@@ -97,6 +97,24 @@ def test_split_equals_colocated(split, colocated, prompts):
     assert wait_no_blocks(decode.url)["allocated_blocks"] == 0
 
 
+def test_seeded_sampling_split_equals_colocated(split, colocated, prompts):
+    """Non-greedy with a seed: the prefill worker samples the first token and the decode worker
+    the rest, yet the text is the colocated one (and colocated stays reproducible)."""
+    router = split[2]
+
+    def seeded(url: str, ids: list[int]) -> str:
+        body = {"model": MODEL, "prompt": ids, "max_tokens": 16, "temperature": 1.0, "seed": 1234,
+                "ignore_eos": True}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    for ids in prompts[:2]:
+        reference = seeded(colocated.url, ids)
+        assert seeded(colocated.url, ids) == reference
+        assert seeded(router.url, ids) == reference
+
+
 def test_router_metrics_include_ttft_itl(split, prompts):
     router = split[2]
     timing = complete(router.url, prompts[0], max_tokens=4)["phasesplit_timing"]

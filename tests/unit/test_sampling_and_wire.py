@@ -56,3 +56,17 @@ def test_bad_headers_are_rejected():
     lying = Header(DATA, 1, num_tokens=4, kv_heads=3, head_dim=64, dtype=1, payload_len=10).pack()
     with pytest.raises(FrameError, match="payload length"):
         Header.unpack(lying)
+
+
+def test_seeded_token_depends_only_on_seed_and_index():
+    """Split mode samples token 0 on the prefill worker and the rest on the decode worker, each
+    with its own Sampler: a seeded draw must not depend on what the sampler drew before."""
+    flat = torch.zeros(1, 1000)
+    p = SamplingParams(seed=7)
+    fresh = [Sampler().sample(flat.clone(), [p], ["x"], [[]], [i])[0] for i in range(8)]
+    busy = Sampler()
+    busy.sample(flat.clone(), [SamplingParams(seed=99)], ["y"], [[]], [0])  # another request
+    assert [busy.sample(flat.clone(), [p], ["x"], [[]], [i])[0] for i in range(8)] == fresh
+    assert len(set(fresh)) > 4, "successive tokens get different draws"
+    other_seed = [Sampler().sample(flat.clone(), [SamplingParams(seed=8)], ["x"], [[]], [i])[0] for i in range(8)]
+    assert other_seed != fresh
