@@ -46,23 +46,13 @@ def _cpu_sets(n: int) -> list[set[int] | None]:
     return [set(cpus[i * per:(i + 1) * per]) for i in range(n)]
 
 
-def _worker_env(shared_cores: bool) -> dict[str, str] | None:
-    """Workers that share cores must not spin-wait on each other's OpenMP threads (see
-    phasesplit/runtime/__init__.py): they sleep at once. Pinned or single workers keep the
-    short spin. An explicit OMP_WAIT_POLICY in the environment wins."""
-    if not shared_cores or "OMP_WAIT_POLICY" in os.environ:
-        return None
-    return {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-
-
 class Child:
-    def __init__(self, role: str, argv: list[str], cpus: set[int] | None, url: str,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(self, role: str, argv: list[str], cpus: set[int] | None, url: str) -> None:
         self.role, self.url = role, url
         cmd = [sys.executable, "-m", "phasesplit.runtime.cli", *argv]
         if cpus:
             cmd[0:0] = ["taskset", "-c", ",".join(map(str, sorted(cpus)))]
-        self.p = subprocess.Popen(cmd, start_new_session=True, env=env)
+        self.p = subprocess.Popen(cmd, start_new_session=True)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.p.poll() is None:
@@ -86,7 +76,6 @@ def up(args: argparse.Namespace) -> int:
                                 str(args.prefill_timeout), "--local-prefill-threshold",
                                 str(args.local_prefill_threshold)])] * args.decode
     cpu_sets = _cpu_sets(len(workers)) if args.pin_cpus else [None] * len(workers)
-    worker_env = _worker_env(shared_cores=len(workers) > 1 and None in cpu_sets)
 
     def shutdown(*_: object) -> None:
         for c in children:
@@ -111,7 +100,7 @@ def up(args: argparse.Namespace) -> int:
             argv = ["serve", "--role", role, "--host", host, "--port", str(port), *model, *common, *extra]
             if cpus:
                 argv += ["--threads", str(len(cpus))]
-            children.append(Child(role, argv, cpus, url, worker_env))
+            children.append(Child(role, argv, cpus, url))
             urls[role].append(url)
             print(f"[up] {role} worker on {url}" + (f" (cpus {sorted(cpus)})" if cpus else ""), flush=True)
         if not args.colocated:

@@ -188,6 +188,9 @@ def read_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return rows.view(*slots.shape, *cache.shape[1:])
 
 
+DECODE_WIDTH_STEP = 32
+
+
 def build_metadata(
     decode: list[tuple[list[int], int]],
     prefill: list[tuple[list[int], int, int]],
@@ -205,7 +208,10 @@ def build_metadata(
     meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decode=len(decode))
     if decode:
         # Built with numpy in one pass: per-sequence torch ops cost more than the math here.
-        width = max(ctx for _, ctx in decode)
+        # Rounded up so that the attention matmuls keep one shape for DECODE_WIDTH_STEP steps:
+        # oneDNN builds (JIT-compiles) a kernel per bf16 matmul shape, ~0.7 ms each here, which
+        # at one new context length per step cost more than the matmuls themselves.
+        width = -(-max(ctx for _, ctx in decode) // DECODE_WIDTH_STEP) * DECODE_WIDTH_STEP
         tables = np.zeros((len(decode), -(-width // block_size)), dtype=np.int64)
         lens = np.fromiter((ctx for _, ctx in decode), dtype=np.int64, count=len(decode))
         for i, (table, _) in enumerate(decode):
@@ -219,7 +225,7 @@ def build_metadata(
         slots = (tables[np.arange(len(decode)), last // block_size] * block_size + last % block_size).tolist()
         meta.decode_gather = torch.from_numpy(gather).to(device)
         meta.decode_mask = torch.from_numpy(mask)[:, None, None, :].to(device)
-        if not mask.all():  # a batch of equal contexts (or one sequence) needs no mask
+        if not mask.all():  # no padding (every context a multiple of the step): no mask
             bias = np.where(mask, np.float32(0), np.float32(-np.inf))
             meta.decode_bias = torch.from_numpy(bias)[:, None, :].to(device=device, dtype=dtype)
     start = len(decode)
