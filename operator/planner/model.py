@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from phasesplit.operator.planner.queueing import mean_ttft
+from phasesplit.operator.planner.queueing import mean_ttft, ttft_quantile
 from phasesplit.operator.planner.snapshot import MetricsSnapshot
 
 
@@ -71,6 +71,8 @@ class PerfModel:
     decode_scale: float = 1.0  # observed ITL / modelled step time, smoothed
     prefill_samples: int = 0
     decode_samples: int = 0
+    token_scv: float | None = None  # prompt-length squared CV fitted from TTFT tails (None: the prior)
+    scv_samples: int = 0
     smoothing: float = 0.3  # weight of a new window's estimate (in log space)
     min_requests: int = 20  # windows with fewer requests say too little to calibrate on
 
@@ -84,7 +86,11 @@ class PerfModel:
         new = min(max(new, lo), hi)
         return math.exp((1 - self.smoothing) * math.log(old) + self.smoothing * math.log(new))
 
-    def calibrate(self, snap: MetricsSnapshot, token_scv: float, kv_high: float) -> list[str]:
+    def scv(self, prior: float) -> float:
+        return self.token_scv if self.token_scv is not None else prior
+
+    def calibrate(self, snap: MetricsSnapshot, token_scv: float, kv_high: float,
+                  percentile: float | None = None) -> list[str]:
         """Update the estimates from one window; returns notes on what changed (for the reason)."""
         notes: list[str] = []
         enough = (snap.request_rate or 0.0) * snap.window_s >= self.min_requests
@@ -93,6 +99,7 @@ class PerfModel:
         # windows where decode was the bottleneck: requests then wait for KV blocks before
         # prefill starts, and blaming prefill for that would scale the wrong phase.
         decode_bound = (snap.decode_waiting or 0) > 0 or (snap.kv_usage or 0) >= kv_high
+        token_scv = self.scv(token_scv)
         if (enough and isl and snap.ttft_mean and snap.ready_prefill and not decode_bound):
             mu = self._invert_prefill(snap.ready_prefill, snap.request_rate, isl, snap.ttft_mean, token_scv)
             if mu is not None:
@@ -104,6 +111,17 @@ class PerfModel:
                 self.prefill_samples += 1
                 if abs(new / old - 1) > 0.05:
                     notes.append(f"prefill capacity {old:.0f}→{new:.0f} tok/s")
+            # The TTFT tail against its mean says how variable prompts are (the runtime exports no
+            # prompt-length histogram): fit the squared CV that makes the model's quantile match.
+            big = (snap.request_rate or 0.0) * snap.window_s >= 5 * self.min_requests
+            if percentile is not None and snap.ttft_p and big:
+                fitted = self._fit_scv(snap.ready_prefill, snap.request_rate, isl, snap.ttft_p, percentile)
+                if fitted is not None:
+                    old_scv = token_scv
+                    self.token_scv = self._blend(old_scv, fitted, old_scv / 4, old_scv * 4)
+                    self.scv_samples += 1
+                    if abs(self.token_scv / old_scv - 1) > 0.1:
+                        notes.append(f"prompt SCV {old_scv:.2f}→{self.token_scv:.2f}")
         # Decode: ITL observed against the modelled step time at the observed batch and context.
         osl = snap.mean_generated_tokens
         if (enough and isl is not None and osl is not None and snap.itl_mean and snap.decode_running
@@ -116,6 +134,20 @@ class PerfModel:
             if abs(self.decode_scale / old - 1) > 0.05:
                 notes.append(f"decode step scale {old:.2f}→{self.decode_scale:.2f}")
         return notes
+
+    def _fit_scv(self, servers: int, rate: float, isl: float, observed: float, percentile: float) -> float | None:
+        prof = self.prefill
+        f = lambda v: ttft_quantile(servers, rate, isl, prof.tokens_per_s, prof.overhead_s, v, percentile)  # noqa: E731
+        lo, hi = 0.05, 5.0
+        if f(lo) >= observed or f(hi) <= observed:
+            return None  # outside what prompt variability can explain: say nothing
+        for _ in range(20):
+            mid = math.sqrt(lo * hi)
+            if f(mid) > observed:
+                hi = mid
+            else:
+                lo = mid
+        return math.sqrt(lo * hi)
 
     def _invert_prefill(self, servers: int, rate: float, isl: float, observed: float,
                         token_scv: float) -> float | None:

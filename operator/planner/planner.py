@@ -36,7 +36,7 @@ class PlannerConfig:
     max_utilisation: float = 0.9  # prefill pool utilisation ceiling, whatever the queueing model says
     kv_headroom: float = 0.15  # free KV fraction kept on decode (bursts, prefix growth)
     kv_high: float = 0.92  # KV usage at which decode, not prefill, is blamed for TTFT
-    prompt_scv: float = 1.0  # squared CV of prompt length (production traces: ≈0.9)
+    prompt_scv: float = 1.0  # squared CV of prompt length, a prior (production traces: ≈0.9); fitted live
     max_miss_factor: float = 2.0  # largest one-step multiplier on an observed SLO miss
     tolerance: float = 0.1  # extra load a scale-down must still fit
     confirm_windows: int = 2  # consecutive windows a prediction-only scale-up must persist
@@ -158,7 +158,7 @@ class Planner:
         # Calibrate on healthy windows only: in a window that missed, TTFT holds waits (for KV,
         # behind a backlog) the model does not describe, and would teach it a wrong capacity.
         healthy = (snap.ttft_p is None or snap.ttft_p <= cfg.ttft_s) and not any(self._bottlenecks(snap))
-        calibration = self.model.calibrate(snap, cfg.prompt_scv, cfg.kv_high) if healthy else []
+        calibration = self.model.calibrate(snap, cfg.prompt_scv, cfg.kv_high, cfg.percentile) if healthy else []
 
         short = (snap.ttft_p is not None and snap.ttft_p > cfg.ttft_s) or any(self._bottlenecks(snap))
         plan_rate, surge, rising = self.surge(now, snap.request_rate, short)
@@ -284,7 +284,7 @@ class Planner:
         if not isl:
             return 0.0
         prof = self.model.prefill
-        return prof.overhead_s + service_quantile(isl / prof.tokens_per_s, self.config.prompt_scv,
+        return prof.overhead_s + service_quantile(isl / prof.tokens_per_s, self.model.scv(self.config.prompt_scv),
                                                   self.config.percentile)
 
     def _size_prefill(self, snap: MetricsSnapshot) -> tuple[int, str, float | None, bool]:
@@ -296,7 +296,8 @@ class Planner:
         # expressed as extra arrivals of the mean prompt so the same queueing model sizes it.
         backlog_rate = (snap.prefill_queue_tokens or 0.0) / isl / cfg.interval_s
         arrivals = rate + backlog_rate
-        c, predicted, ok = replicas_for_ttft(arrivals, isl, prof.tokens_per_s, prof.overhead_s, cfg.prompt_scv,
+        c, predicted, ok = replicas_for_ttft(arrivals, isl, prof.tokens_per_s, prof.overhead_s,
+                                             self.model.scv(cfg.prompt_scv),
                                              cfg.percentile, cfg.ttft_s * cfg.margin, cfg.max_utilisation,
                                              cfg.prefill.max_replicas)
         why = (f"{rate * isl:.0f} prompt tok/s"

@@ -287,6 +287,29 @@ def test_calibration_finds_true_prefill_capacity_from_a_wrong_prior():
     assert model.prefill.tokens_per_s == pytest.approx(true_mu, rel=0.05)
 
 
+def test_calibration_fits_prompt_variability_from_the_ttft_tail():
+    # Prompts vary less than the prior says (squared CV 0.3, prior 1.0): the TTFT tail is
+    # thinner than the model predicts, and fitting it lets the planner size for what it sees.
+    mu, rate, isl, c, scv = 9000.0, 30.0, 1000.0, 5, 0.3
+    mean = mean_ttft(c, rate, isl, mu, 0.01, scv)
+    p95 = ttft_quantile(c, rate, isl, mu, 0.01, scv, 0.95)
+    model = PerfModel(PrefillProfile(), DecodeProfile())
+    planner = Planner(PlannerConfig(prefill=PhaseLimits(1, 20), decode=PhaseLimits(1, 20)), model)
+    for i in range(25):
+        planner.plan(snap(i * INTERVAL, rate=rate, isl=isl, ttft_mean=mean, ttft_p=p95, ready_prefill=c),
+                     {"prefill": c, "decode": 4}, i * INTERVAL)
+    assert model.token_scv == pytest.approx(scv, rel=0.05)
+    assert model.prefill.tokens_per_s == pytest.approx(mu, rel=0.02)
+    prior_only = Planner(PlannerConfig(prefill=PhaseLimits(1, 20)), frozen_model())
+    assert prior_only._size_prefill(snap(0, rate=33.0))[0] == 6
+    assert planner._size_prefill(snap(0, rate=33.0))[0] == 5
+    # Small windows say too little about a 95th percentile: the prior stays.
+    few = PerfModel(PrefillProfile(), DecodeProfile())
+    Planner(PlannerConfig(), few).plan(snap(0, rate=2.0, isl=isl, ttft_mean=0.12, ttft_p=0.2, ready_prefill=1),
+                                       {"prefill": 1, "decode": 1}, 0)
+    assert few.token_scv is None
+
+
 def test_calibration_ignores_ttft_when_decode_is_the_bottleneck():
     model = PerfModel(PrefillProfile(tokens_per_s=9000.0), DecodeProfile())
     planner = Planner(PlannerConfig(), model)
