@@ -134,7 +134,8 @@ class PhasesplitEngine:
         self.eng = LLMEngine("smollm2", EngineConfig(runner=RunnerConfig(dtype="bfloat16", kv_cache_memory=1 << 30),
                                                      max_num_seqs=64, max_num_batched_tokens=2048))
         self.config = ("LLMEngine('smollm2', EngineConfig(runner=RunnerConfig(dtype='bfloat16', kv_cache_memory=1<<30), "
-                       "max_num_seqs=64, max_num_batched_tokens=2048))")
+                       "max_num_seqs=64, max_num_batched_tokens=2048)); OpenMP waits: "
+                       + " ".join(f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ))
 
     def generate(self, prompts: list[list[int]], n: int) -> int:
         outs = self.eng.generate(prompts, self.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
