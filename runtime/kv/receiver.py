@@ -294,10 +294,12 @@ class _Reader:
     read is cut at a K/V or frame boundary: fewer syscalls, and fewer GIL acquisitions by this
     thread, which shares its core with the decode engine thread.
 
-    Measured and not kept: MSG_WAITALL (one call per run) made a 45 MiB transfer ~25% slower;
-    SO_RCVLOWAT (wake the reader per 256 KiB-1 MiB rather than per segment) halved the sender's
-    CPU time but stalled some transfers until the 10 s receive timeout.
+    Measured and not kept: MSG_WAITALL (one call per run) made a 45 MiB transfer ~25% slower,
+    as it still wakes the reader per segment; an SO_RCVLOWAT mark with no time limit stalled a
+    few transfers until the 10 s receive timeout, hence the short wait and fallback in payload().
     """
+
+    lowat_timeouts = 0  # payload reads that fell back to waking on any byte (diagnostics)
 
     def __init__(self, conn: socket.socket) -> None:
         self.conn = conn
@@ -325,19 +327,45 @@ class _Reader:
         """Fill the views in order. False if the connection ends first."""
         views = [v for v in views if v.nbytes]
         spill = memoryview(self.hdr)
-        while views:
-            batch = views[:_IOV_BATCH]
-            k = self.conn.recvmsg_into(batch + [spill] if len(views) <= _IOV_BATCH else batch)[0]
-            if k == 0:
-                return False
-            while views and k >= views[0].nbytes:
-                k -= views[0].nbytes
-                views.pop(0)
-            if views:
-                views[0] = views[0][k:]
-            else:
-                self.have = k  # the start of the next frame's header
+        left = sum(v.nbytes for v in views)
+        lowat = min(left, LOWAT) if LOWAT > 1 else 1
+        if lowat > 1:
+            self._set(lowat, _PAYLOAD_WAIT)
+        try:
+            while views:
+                batch = views[:_IOV_BATCH]
+                try:
+                    k = self.conn.recvmsg_into(batch + [spill] if len(views) <= _IOV_BATCH else batch)[0]
+                except BlockingIOError:
+                    # The low-water mark was not reached in time (the sender paused, or the
+                    # kernel held the window below the mark): wake on any byte from now on.
+                    if lowat == 1:
+                        raise FrameError("payload stalled") from None
+                    lowat = 1
+                    self._set(1, STALL_TIMEOUT)
+                    _Reader.lowat_timeouts += 1
+                    continue
+                if k == 0:
+                    return False
+                left -= k
+                while views and k >= views[0].nbytes:
+                    k -= views[0].nbytes
+                    views.pop(0)
+                if views:
+                    views[0] = views[0][k:]
+                else:
+                    self.have = k  # the start of the next frame's header
+                if 1 < left < lowat:
+                    lowat = left
+                    self.conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
+        finally:
+            if lowat > 1:  # a lone control frame must wake the reader
+                self._set(1, STALL_TIMEOUT)
         return True
+
+    def _set(self, lowat: int, timeout: float) -> None:
+        self.conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
+        self.conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout))
 
     def discard(self, n: int) -> bool:
         scratch = memoryview(bytearray(min(n, 1 << 20)))
@@ -349,6 +377,12 @@ class _Reader:
         return True
 
 
+# Wake the reader per LOWAT bytes of a payload rather than per segment: on loopback each wake-up
+# of a sleeping reader costs the *sender* (the loopback delivery runs on its CPU), and a reader
+# that drains 64 KiB at a time halved a 45 MiB transfer's speed. If the mark is not reached within
+# _PAYLOAD_WAIT (the kernel may hold the window below it), the read falls back to any byte.
+LOWAT = 512 << 10
+_PAYLOAD_WAIT = 0.02
 _IOV_BATCH = 256  # destination buffers per recvmsg call (the kernel takes up to 1024)
 
 
