@@ -141,13 +141,7 @@ class PerfModel:
         lo, hi = 0.05, 5.0
         if f(lo) >= observed or f(hi) <= observed:
             return None  # outside what prompt variability can explain: say nothing
-        for _ in range(20):
-            mid = math.sqrt(lo * hi)
-            if f(mid) > observed:
-                hi = mid
-            else:
-                lo = mid
-        return math.sqrt(lo * hi)
+        return _log_bisect(f, lo, hi, observed, 20, increasing=True)
 
     def _invert_prefill(self, servers: int, rate: float, isl: float, observed: float,
                         token_scv: float) -> float | None:
@@ -159,10 +153,16 @@ class PerfModel:
             return None
         if f(lo) < observed:
             return lo
-        for _ in range(60):
-            mid = math.sqrt(lo * hi)
-            if f(mid) > observed:
-                lo = mid
-            else:
-                hi = mid
-        return math.sqrt(lo * hi)
+        return _log_bisect(f, lo, hi, observed, 60, increasing=False)
+
+
+def _log_bisect(f, lo: float, hi: float, target: float, iters: int, increasing: bool) -> float:
+    """The x in [lo, hi] where the monotonic f crosses target, bisected in log space (the
+    unknowns here span orders of magnitude)."""
+    for _ in range(iters):
+        mid = math.sqrt(lo * hi)
+        if (f(mid) > target) == increasing:
+            hi = mid
+        else:
+            lo = mid
+    return math.sqrt(lo * hi)
