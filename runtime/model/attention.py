@@ -31,7 +31,6 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [tokens] slot each new token's K/V is written to
     num_decode: int = 0  # the first num_decode tokens are single-token decode queries
     decode_gather: torch.Tensor | None = None  # [num_decode, max_context] slots, padded
-    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_context] bool
     decode_bias: torch.Tensor | None = None  # [num_decode, 1, max_context] 0 or -inf; None: no padding
     prefills: list[PrefillSegment] = field(default_factory=list)
 
@@ -57,10 +56,7 @@ class LayerCache:
         """K and V rows of `slots`: [*slots.shape, kv_heads, dim] each."""
         if self.k_rows is None:
             return self.k[slots], self.v[slots]
-        flat, shape = slots.reshape(-1), (*slots.shape, *self.k.shape[1:])
-        k = torch.index_select(self.k_rows, 0, flat).view(self.k.dtype).view(shape)
-        v = torch.index_select(self.v_rows, 0, flat).view(self.v.dtype).view(shape)
-        return k, v
+        return _select_rows(self.k_rows, self.k, slots), _select_rows(self.v_rows, self.v, slots)
 
 
 def layer_caches(kv_cache: torch.Tensor) -> list[LayerCache]:
@@ -106,8 +102,9 @@ def _decode(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, gqa: bo
     ks, vs = cache.read(meta.decode_gather)  # [n, ctx, kv_heads, dim]
     if q.device.type == "cpu" and cache.k.shape[1] <= BLOCK_DIAGONAL_MAX_KV_HEADS:
         return decode_block_diagonal(q, ks, vs, meta.decode_bias)
+    mask = None if meta.decode_bias is None else meta.decode_bias.unsqueeze(1)  # [n, 1, 1, ctx]
     o = F.scaled_dot_product_attention(q.unsqueeze(2), ks.transpose(1, 2), vs.transpose(1, 2),
-                                       attn_mask=meta.decode_mask, enable_gqa=gqa)
+                                       attn_mask=mask, enable_gqa=gqa)
     return o.squeeze(2)
 
 
@@ -184,8 +181,13 @@ def read_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     c = _int64_rows(cache)
     if c is None:
         return cache[slots]
-    rows = torch.index_select(c, 0, slots.reshape(-1)).view(cache.dtype)
-    return rows.view(*slots.shape, *cache.shape[1:])
+    return _select_rows(c, cache, slots)
+
+
+def _select_rows(rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] through `rows`, cache's int64 row view (a plain row copy, see write_rows)."""
+    picked = torch.index_select(rows, 0, slots.reshape(-1)).view(cache.dtype)
+    return picked.view(*slots.shape, *cache.shape[1:])
 
 
 DECODE_WIDTH_STEP = 32
@@ -224,7 +226,6 @@ def build_metadata(
         last = lens - 1
         slots = (tables[np.arange(len(decode)), last // block_size] * block_size + last % block_size).tolist()
         meta.decode_gather = torch.from_numpy(gather).to(device)
-        meta.decode_mask = torch.from_numpy(mask)[:, None, None, :].to(device)
         if not mask.all():  # no padding (every context a multiple of the step): no mask
             bias = np.where(mask, np.float32(0), np.float32(-np.inf))
             meta.decode_bias = torch.from_numpy(bias)[:, None, :].to(device=device, dtype=dtype)
