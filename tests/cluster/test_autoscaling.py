@@ -28,7 +28,7 @@ import pytest
 from kubernetes import client
 
 from phasesplit.operator import api
-from tests.integration.test_metrics_prometheus import SCRAPE_S, start_prometheus
+from tests.integration.test_metrics_prometheus import SCRAPE_S, running_prometheus
 from tests.kubecluster import KubeCluster
 from tests.procs import serve
 
@@ -52,12 +52,8 @@ def runtime(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prometheus(runtime, tmp_path_factory):
-    p, url = start_prometheus([runtime.url.removeprefix("http://")], tmp_path_factory.mktemp("prometheus"))
-    try:
+    with running_prometheus([runtime.url.removeprefix("http://")], tmp_path_factory.mktemp("prometheus")) as url:
         yield url
-    finally:
-        p.terminate()
-        p.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,11 @@ lengths as the server counted them, and latency quantiles from histogram deltas.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -32,8 +34,10 @@ def runtime(tmp_path_factory):
         proc.stop()
 
 
-def start_prometheus(targets: list[str], workdir: Path) -> tuple[subprocess.Popen, str]:
-    """The real Prometheus server scraping `targets` (host:port) every SCRAPE_S; returns (process, URL)."""
+@contextlib.contextmanager
+def running_prometheus(targets: list[str], workdir: Path) -> Iterator[str]:
+    """The real Prometheus server scraping `targets` (host:port) every SCRAPE_S; yields its URL and
+    stops it on exit."""
     binary = shutil.which("prometheus")
     assert binary, "the prometheus server is missing: run hack/setup.sh (hack/setup.d/60-prometheus.sh)"
     listed = ", ".join(f"'{t}'" for t in targets)
@@ -50,23 +54,25 @@ def start_prometheus(targets: list[str], workdir: Path) -> tuple[subprocess.Pope
     while True:
         try:
             if httpx.get(url + "/-/ready", timeout=2).status_code == 200:
-                return p, url
+                break
         except httpx.HTTPError:
             pass
         if p.poll() is not None or time.monotonic() > deadline:
             p.kill()
             raise RuntimeError("prometheus did not become ready: " + (workdir / "prometheus.log").read_text()[-2000:])
         time.sleep(0.3)
-
-
-@pytest.fixture(scope="module")
-def prometheus(runtime, tmp_path_factory):
-    p, url = start_prometheus([runtime.url.removeprefix("http://")], tmp_path_factory.mktemp("prometheus"))
     try:
         yield url
     finally:
         p.terminate()
         p.wait(timeout=30)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def prometheus(runtime, tmp_path_factory):
+    with running_prometheus([runtime.url.removeprefix("http://")], tmp_path_factory.mktemp("prometheus")) as url:
+        yield url
 
 
 def model_name(url: str) -> str:
