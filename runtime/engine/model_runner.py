@@ -15,7 +15,7 @@ from phasesplit.runtime.engine.scheduler import ScheduledBatch
 from phasesplit.runtime.engine.sequence import Sequence
 from phasesplit.runtime.model.attention import build_metadata
 from phasesplit.runtime.model.config import ModelConfig
-from phasesplit.runtime.model.llama import Linear, LlamaModel, rope_inv_freq
+from phasesplit.runtime.model.llama import LlamaModel, rope_inv_freq
 from phasesplit.runtime.model.loader import ModelFiles, load_weights, read_config
 
 log = logging.getLogger(__name__)
@@ -123,9 +123,10 @@ class ModelRunner:
             model = LlamaModel(self.cfg)
         load_weights(model, files, self.dtype, self.device)
         model.inv_freq = rope_inv_freq(self.cfg).to(self.device)
-        packed = [m.pack_for_cpu() for m in model.modules() if isinstance(m, Linear)]
-        if any(packed):
-            log.info("%d of %d projection weights pre-packed for oneDNN", sum(packed), len(packed))
+        layouts = model.pack_for_cpu()
+        if set(layouts) != {"plain"}:
+            log.info("weights re-laid for the CPU matmul: %s",
+                     ", ".join(f"{n} {name}" for name, n in sorted(layouts.items())))
         self.model = model.eval()
         self.block_size = rc.block_size
         self.max_model_len = min(rc.max_model_len or self.cfg.max_position, self.cfg.max_position)

@@ -69,26 +69,3 @@ def test_paged_decode_reads_each_sequence_own_blocks() -> None:
         torch.testing.assert_close(paged_attention(q, new_k, new_v, layer, meta), reference(q, hist_k, hist_v))
     finally:
         attention.BLOCK_DIAGONAL_MAX_KV_HEADS = old
-
-
-
-def test_packed_projection_equals_plain_matmul() -> None:
-    """A pre-packed (oneDNN) bf16 projection gives the plain matmul's result, with and without the
-    fused residual; where this torch cannot pack, the plain path stays in place."""
-    from phasesplit.runtime.model.llama import Linear
-
-    g = torch.Generator().manual_seed(1)
-    lin = Linear(64, 96)
-    with torch.no_grad():
-        lin.weight.copy_(torch.randn(96, 64, generator=g))
-    lin = lin.to(torch.bfloat16)
-    plain = lin.weight.detach().clone()
-    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
-    res = torch.randn(5, 96, generator=g).to(torch.bfloat16)
-    packed = lin.pack_for_cpu()
-    assert (lin.packed is not None) == packed
-    if packed:
-        assert lin.weight.numel() == 0, "the plain copy is dropped"
-    with torch.inference_mode():
-        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, plain), rtol=1e-2, atol=5e-2)
-        torch.testing.assert_close(lin(x, residual=res), torch.addmm(res, x, plain.t()), rtol=1e-2, atol=5e-2)

@@ -1,0 +1,1 @@
+"""Hand-written CPU kernels, compiled at first use and cached (see cpu_gemm.py)."""
