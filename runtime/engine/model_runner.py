@@ -13,7 +13,7 @@ import torch
 
 from phasesplit.runtime.engine.scheduler import ScheduledBatch
 from phasesplit.runtime.engine.sequence import Sequence
-from phasesplit.runtime.model.attention import build_metadata
+from phasesplit.runtime.model.attention import build_metadata, kernel_decode_available
 from phasesplit.runtime.model.config import ModelConfig
 from phasesplit.runtime.model.llama import LlamaModel, rope_inv_freq
 from phasesplit.runtime.model.loader import ModelFiles, load_weights, read_config
@@ -152,6 +152,7 @@ class ModelRunner:
         self.small_step_threads = (1 if self.device.type == "cpu" and self.threads > 1
                                    and os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" else None)
         self._step_threads = self.threads
+        self.paged_kernel = kernel_decode_available(self.device, self.dtype)
         log.info("model loaded on %s/%s in %.2fs; KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
                  self.device, str(self.dtype).removeprefix("torch."), time.perf_counter() - t0,
                  self.num_blocks, self.block_size, self.num_blocks * self.block_size,
@@ -190,7 +191,7 @@ class ModelRunner:
                 logits_rows.append(len(ids) - 1)
                 sampled.append(seq)
         meta = build_metadata([(s.block_table, len(s)) for s in batch.decode], prefill_meta,
-                              self.block_size, self.device, self.dtype)
+                              self.block_size, self.device, self.dtype, self.paged_kernel)
         dev = self.device
         logits = self.model(
             torch.tensor(ids, dtype=torch.long, device=dev),

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from phasesplit.runtime.kernels import build, cpu_attention
+
 
 @dataclass
 class PrefillSegment:
@@ -32,6 +34,11 @@ class AttentionMetadata:
     num_decode: int = 0  # the first num_decode tokens are single-token decode queries
     decode_gather: torch.Tensor | None = None  # [num_decode, max_context] slots, padded
     decode_bias: torch.Tensor | None = None  # [num_decode, 1, max_context] 0 or -inf; None: no padding
+    # For the CPU kernel instead of the gather: block tables, context lengths, the longest context
+    decode_tables: torch.Tensor | None = None  # [num_decode, blocks] int64
+    decode_lens: torch.Tensor | None = None  # [num_decode] int64
+    decode_max_len: int = 0
+    block_size: int = 0
     prefills: list[PrefillSegment] = field(default_factory=list)
 
 
@@ -99,6 +106,9 @@ def paged_attention(
 
 
 def _decode(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, gqa: bool) -> torch.Tensor:
+    if meta.decode_gather is None:  # built for the CPU kernel (build_metadata's paged_kernel)
+        return cpu_attention.decode(_kernel().ps_decode_attention_bf16, q, cache.k, cache.v, meta.decode_tables,
+                                    meta.decode_lens, meta.decode_max_len, meta.block_size)
     ks, vs = cache.read(meta.decode_gather)  # [n, ctx, kv_heads, dim]
     if q.device.type == "cpu" and cache.k.shape[1] <= BLOCK_DIAGONAL_MAX_KV_HEADS:
         return decode_block_diagonal(q, ks, vs, meta.decode_bias)
@@ -190,6 +200,18 @@ def _select_rows(rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -
     return picked.view(*slots.shape, *cache.shape[1:])
 
 
+def _kernel():
+    lib = build.library()
+    if lib is None:
+        raise RuntimeError("metadata was built for the CPU attention kernel, which is not available")
+    return lib
+
+
+def kernel_decode_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether decode attention can use the CPU kernel (bf16 on a CPU it was built for)."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and build.library() is not None
+
+
 DECODE_WIDTH_STEP = 32
 
 
@@ -199,16 +221,28 @@ def build_metadata(
     block_size: int,
     device: torch.device,
     dtype: torch.dtype = torch.float32,
+    paged_kernel: bool = False,
 ) -> AttentionMetadata:
     """Metadata for one step.
 
     decode: (block_table, context_len) per decode sequence; its new token is at context_len-1.
     prefill: (block_table, cached_len, chunk_len) per prefill sequence, in flat-batch order
-    after the decode tokens.
+    after the decode tokens. paged_kernel: decode attention runs in the CPU kernel, which reads
+    the cache through the block tables (no gather indices or padding mask are built).
     """
     slots: list[int] = []
-    meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decode=len(decode))
-    if decode:
+    meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decode=len(decode), block_size=block_size)
+    if decode and paged_kernel:
+        lens = np.fromiter((ctx for _, ctx in decode), dtype=np.int64, count=len(decode))
+        tables = np.zeros((len(decode), -(-int(lens.max()) // block_size)), dtype=np.int64)
+        for i, (table, _) in enumerate(decode):
+            n = min(len(table), tables.shape[1])
+            tables[i, :n] = table[:n]
+        last = lens - 1
+        slots = (tables[np.arange(len(decode)), last // block_size] * block_size + last % block_size).tolist()
+        meta.decode_tables, meta.decode_lens = torch.from_numpy(tables), torch.from_numpy(lens)
+        meta.decode_max_len = int(lens.max())
+    elif decode:
         # Built with numpy in one pass: per-sequence torch ops cost more than the math here.
         # Rounded up so that the attention matmuls keep one shape for DECODE_WIDTH_STEP steps:
         # oneDNN builds (JIT-compiles) a kernel per bf16 matmul shape, ~0.7 ms each here, which

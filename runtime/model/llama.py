@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phasesplit.runtime.kernels import cpu_gemm
+from phasesplit.runtime.kernels import build, cpu_gemm
 from phasesplit.runtime.model.attention import AttentionMetadata, LayerCache, layer_caches, paged_attention
 from phasesplit.runtime.model.config import ModelConfig
 
@@ -54,6 +54,7 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None  # oneDNN's blocked layout
         self.tiled: torch.Tensor | None = None  # cpu_gemm's layout
         self._gemm = None
+        self._swiglu = False  # tiled with gate and up tiles alternating (pack_for_cpu(swiglu=True))
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor) -> Linear:
@@ -62,12 +63,15 @@ class Linear(nn.Module):
         lin.out_features = weight.shape[0]
         lin.weight = nn.Parameter(weight, requires_grad=False)
         lin.packed = lin.tiled = lin._gemm = None
+        lin._swiglu = False
         return lin
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x @ W^T, plus `residual` when given (fused into the matmul). `out_dtype` float32 asks
         for unrounded sums where the kernel can give them (logits); otherwise it is a hint."""
+        if self._swiglu:
+            raise RuntimeError("this weight is packed for swiglu(), not for a plain product")
         if self._gemm is not None:
             return cpu_gemm.matmul(self._gemm, x, self.tiled, self.out_features, residual,
                                    out_dtype or x.dtype)
@@ -79,7 +83,15 @@ class Linear(nn.Module):
             return F.linear(x, self.weight)
         return torch.addmm(residual, x, self.weight.t())
 
-    def pack_for_cpu(self, keep_weight: bool = False) -> str | None:
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for a weight holding the gate rows, then the up rows; in the matmul's
+        epilogue when the weight was packed with swiglu=True."""
+        if self._swiglu:
+            return cpu_gemm.matmul(self._gemm, x, self.tiled, self.out_features, act=cpu_gemm.SWIGLU)
+        gate, up = self(x).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def pack_for_cpu(self, keep_weight: bool = False, swiglu: bool = False) -> str | None:
         """Re-lay the bf16 weight once for a faster CPU matmul; returns which layout, or None.
 
         First choice is cpu_gemm's kernel (AVX512-BF16; 2-3x oneDNN at decode batch sizes, 1.1x
@@ -92,9 +104,11 @@ class Linear(nn.Module):
         if w.device.type != "cpu" or w.dtype != torch.bfloat16:
             return None
         layout = None
-        lib = cpu_gemm.library()
+        lib = build.library()
         if lib is not None and w.shape[1] % 2 == 0:
-            self.tiled, self._gemm, layout = cpu_gemm.pack(w), lib.ps_gemm_bf16, "cpu_gemm"
+            self._gemm, layout = lib.ps_gemm_bf16, "cpu_gemm"
+            self._swiglu = swiglu and w.shape[0] % (2 * cpu_gemm.TILE) == 0
+            self.tiled = cpu_gemm.pack_swiglu(w) if self._swiglu else cpu_gemm.pack(w)
         elif torch.backends.mkldnn.is_available():
             try:
                 packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 32)
@@ -146,8 +160,7 @@ class DecoderLayer(nn.Module):
         # Each residual add is folded into its projection: one op and one pass fewer.
         x = self.o_proj(attn.reshape(t, self.q_size), residual=x)
         h = rms_norm(x, self.mlp_norm, self.eps)
-        gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up, residual=x)
+        return self.down(self.gate_up.swiglu(h), residual=x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -222,10 +235,13 @@ class LlamaModel(nn.Module):
         weights, for a head that is a fifth of SmolLM2's decode step otherwise. Returns how many
         weights took each layout."""
         counts: dict[str, int] = {}
-        for m in self.modules():
-            if isinstance(m, Linear):
-                layout = m.pack_for_cpu()
+        for layer in self.layers:
+            for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+                layout = m.pack_for_cpu(swiglu=m is layer.gate_up)
                 counts[layout or "plain"] = counts.get(layout or "plain", 0) + 1
+        if self.lm_head is not None:
+            layout = self.lm_head.pack_for_cpu()
+            counts[layout or "plain"] = counts.get(layout or "plain", 0) + 1
         if self.lm_head is None:
             head = Linear.from_weight(self.embed.weight)
             if head.pack_for_cpu(keep_weight=True) == "cpu_gemm":

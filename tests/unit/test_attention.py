@@ -69,3 +69,38 @@ def test_paged_decode_reads_each_sequence_own_blocks() -> None:
         torch.testing.assert_close(paged_attention(q, new_k, new_v, layer, meta), reference(q, hist_k, hist_v))
     finally:
         attention.BLOCK_DIAGONAL_MAX_KV_HEADS = old
+
+
+def test_paged_decode_through_the_cpu_kernel_matches_the_gather_path() -> None:
+    """bf16 on CPU: metadata built for the kernel (block tables, no gather) gives the gather +
+    block-diagonal path's result, with writes landing in the same slots. Where the kernel
+    cannot run here, building such metadata must be refused by the runner (covered by
+    kernel_decode_available)."""
+    from phasesplit.runtime.model.attention import kernel_decode_available
+
+    cpu = torch.device("cpu")
+    if not kernel_decode_available(cpu, torch.bfloat16):
+        from phasesplit.runtime.kernels import build
+
+        assert build.library() is None
+        return
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, bs = 9, 3, 64, 16
+    cache = torch.randn(2, 1, 40 * bs, kv_heads, dim, generator=g).bfloat16()
+    tables = [[int(b) for b in torch.randperm(40, generator=g)[:12]] for _ in range(5)]
+    lens = [1, 16, 17, 100, 180]
+    q = torch.randn(len(lens), heads, dim, generator=g).bfloat16()
+    new_k = torch.randn(len(lens), kv_heads, dim, generator=g).bfloat16()
+    new_v = torch.randn(len(lens), kv_heads, dim, generator=g).bfloat16()
+    decode = list(zip(tables, lens, strict=True))
+    outs, caches = [], []
+    for kernel in (False, True):
+        c = cache.clone()
+        layer = LayerCache(c[0, 0], c[1, 0])
+        meta = build_metadata(decode, [], bs, cpu, torch.bfloat16, paged_kernel=kernel)
+        assert (meta.decode_gather is None) == kernel
+        outs.append(paged_attention(q, new_k, new_v, layer, meta).float())
+        caches.append(c)
+    assert torch.equal(caches[0], caches[1])
+    # the kernel keeps scores and probabilities in float32; the torch path rounds both to bf16
+    torch.testing.assert_close(outs[1], outs[0], rtol=0.02, atol=0.02)

@@ -1,0 +1,111 @@
+"""Compile the C kernels in this folder once, cache the library, load it (CPUs with AVX512-BF16).
+
+The sources are compiled with the system's C compiler on first use and cached under
+`~/.cache/phasesplit/kernels/`, keyed by the sources, flags and compiler, so later starts only
+load the library (~1 ms). No compiler, another CPU, or PHASESPLIT_CPU_KERNELS=0: `library()` is
+None and callers use torch. Each kernel is checked against torch once before anything uses it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCES = (Path(__file__).with_name("gemm_bf16.c"), Path(__file__).with_name("decode_attention_bf16.c"))
+HEADERS = (Path(__file__).with_name("vec_math.h"),)
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-fPIC", "-shared"]
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+
+
+class KernelUnavailable(RuntimeError):
+    pass
+
+
+def cpu_supported(cpuinfo: str) -> bool:
+    """Whether /proc/cpuinfo's flags list every instruction set the kernels are built for."""
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            return all(f in flags for f in CPU_FLAGS)
+    return False
+
+
+def _cache_dir() -> Path:
+    from phasesplit.runtime.model.loader import cache_root
+
+    return cache_root() / "kernels"
+
+
+def _compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    return None
+
+
+def build(cc: str, out_dir: Path) -> Path:
+    """Compile the kernels (once per sources/flags/compiler) and return the library's path."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    digest = hashlib.sha256(" ".join(FLAGS).encode() + version.encode())
+    for src in SOURCES + HEADERS:
+        digest.update(src.read_bytes())
+    lib = out_dir / f"phasesplit_kernels-{digest.hexdigest()[:16]}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Built under a temporary name and renamed: concurrent starts never load a half-written file.
+    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
+                              timeout=300)
+        if proc.returncode != 0:
+            raise KernelUnavailable(f"{cc} failed to build the CPU kernels: {proc.stderr.strip()[-600:]}")
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None where they cannot be used here (the reason is logged once)."""
+    try:
+        return _load()
+    except (KernelUnavailable, OSError, subprocess.SubprocessError) as e:
+        log.info("CPU kernels not used: %s", e)
+        return None
+
+
+def _load() -> ctypes.CDLL:
+    from phasesplit.runtime.kernels import cpu_attention, cpu_gemm
+
+    if os.environ.get("PHASESPLIT_CPU_KERNELS", "1") == "0":
+        raise KernelUnavailable("PHASESPLIT_CPU_KERNELS=0")
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        raise KernelUnavailable(f"not an x86-64 Linux machine ({platform.system()} {platform.machine()})")
+    with open("/proc/cpuinfo") as f:
+        if not cpu_supported(f.read()):
+            raise KernelUnavailable(f"the CPU lacks one of {', '.join(CPU_FLAGS)}")
+    cc = _compiler()
+    if cc is None:
+        raise KernelUnavailable("no C compiler (cc, gcc or clang) on PATH")
+    # torch is imported first, so the library's libgomp.so.1 resolves to the one torch loaded:
+    # one OpenMP thread pool for both, not two pools fighting over the same cores.
+    lib = ctypes.CDLL(str(build(cc, _cache_dir())))
+    cpu_gemm.declare(lib)
+    cpu_attention.declare(lib)
+    cpu_gemm.self_check(lib)
+    cpu_attention.self_check(lib)
+    return lib

@@ -1,0 +1,81 @@
+"""Decode attention over the paged bf16 KV cache through decode_attention_bf16.c (AVX512).
+
+It reads each sequence's K/V rows where the block table puts them; the torch path copies them
+into a padded batch first and multiplies block-diagonal rows (see model/attention.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from phasesplit.runtime.kernels.build import KernelUnavailable
+
+
+def declare(lib: ctypes.CDLL) -> None:
+    fn = lib.ps_decode_attention_bf16
+    fn.argtypes = ([ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
+                    ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_long] * 5
+                   + [ctypes.c_float, ctypes.c_void_p, ctypes.c_long, ctypes.c_int])
+    fn.restype = ctypes.c_int
+
+
+def decode(fn: ctypes._CFuncPtr, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           tables: torch.Tensor, lens: torch.Tensor, max_len: int, block_size: int) -> torch.Tensor:
+    """q [n, heads, dim] bf16 (rows may be strided); caches [slots, kv_heads, dim]; tables
+    [n, max_blocks] int64; lens [n] int64 (context incl. the new token). Returns [n, heads, dim]."""
+    n, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    if q.stride(2) != 1 or q.stride(1) != dim:
+        q = q.contiguous()
+    threads = torch.get_num_threads()
+    per_thread = (heads // kv_heads) * max_len
+    scratch = torch.empty(threads * per_thread, dtype=torch.float32)
+    out = torch.empty(n, heads, dim, dtype=q.dtype)
+    rc = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
+            lens.data_ptr(), out.data_ptr(), n, heads, kv_heads, dim, block_size, dim**-0.5, scratch.data_ptr(),
+            per_thread, threads)
+    if rc != 0:
+        raise KernelUnavailable(f"decode attention rejected its arguments (code {rc})")
+    return out
+
+
+def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+              lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Per-sequence float32 attention: what `decode` must equal up to rounding."""
+    n, heads, dim = q.shape
+    group = heads // k_cache.shape[1]
+    out = torch.empty(n, heads, dim)
+    for i in range(n):
+        pos = torch.arange(int(lens[i]))
+        slots = tables[i][pos // block_size] * block_size + pos % block_size
+        k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [ctx, heads, dim]
+        v = v_cache[slots].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,thd->ht", q[i].float(), k) * dim**-0.5
+        out[i] = torch.einsum("ht,thd->hd", scores.softmax(-1), v)
+    return out
+
+
+def self_check(lib: ctypes.CDLL) -> None:
+    fn = lib.ps_decode_attention_bf16
+    g = torch.Generator().manual_seed(0)
+    for heads, kv_heads, dim, lens in ((9, 3, 64, [1, 17, 40]), (4, 4, 32, [5, 33]), (8, 1, 128, [70])):
+        block, blocks = 16, 12
+        k_cache = torch.randn(blocks * block, kv_heads, dim, generator=g).bfloat16()
+        v_cache = torch.randn(blocks * block, kv_heads, dim, generator=g).bfloat16()
+        tables = torch.stack([torch.randperm(blocks, generator=g)[:6] for _ in lens])
+        lens_t = torch.tensor(lens)
+        q = torch.randn(len(lens), heads, dim, generator=g).bfloat16()
+        want = reference(q, k_cache, v_cache, tables, lens_t, block)
+        for threads in (1, 2):
+            old = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                got = decode(fn, q, k_cache, v_cache, tables, lens_t, max(lens), block)
+            finally:
+                torch.set_num_threads(old)
+            err = (got.float() - want).abs().max().item()
+            if not err <= 0.02:
+                raise KernelUnavailable(f"decode attention self-check failed (heads {heads}/{kv_heads}, dim {dim}: "
+                                        f"max error {err:.3g})")

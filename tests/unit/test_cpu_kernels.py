@@ -1,0 +1,183 @@
+"""The AVX512-BF16 matmul kernel against F.linear, and the layouts a Linear falls back to."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from phasesplit.runtime.kernels import build, cpu_gemm
+from phasesplit.runtime.model.llama import Linear
+
+
+def _cpu_can_run_kernel() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return build.cpu_supported(f.read()) and shutil.which("cc") is not None
+
+
+def test_cpu_flag_parsing() -> None:
+    line = "flags\t\t: fpu sse2 avx512f avx512bw avx512vl avx512_bf16 avx512_vnni\n"
+    assert build.cpu_supported("processor : 0\n" + line)
+    assert not build.cpu_supported("flags : fpu sse2 avx512f avx512bw avx512vl\n")
+    assert not build.cpu_supported("no flags here")
+
+
+def test_library_is_built_where_the_cpu_and_a_compiler_allow_it() -> None:
+    # Where the CPU has the instructions and a compiler exists, a None here is a bug (a failed
+    # build or self-check), not a fallback.
+    assert (build.library() is not None) == _cpu_can_run_kernel()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 576, 576), (3, 960, 576), (4, 40, 1536), (5, 33, 64),
+                                           (8, 17, 34), (33, 576, 576), (130, 48, 96)])
+def test_kernel_matches_float_matmul(m: int, n: int, k: int, threads: int) -> None:
+    lib = build.library()
+    if lib is None:  # no kernel here: the fallback is what the Linear test below checks
+        assert not _cpu_can_run_kernel()
+        return
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = (torch.randn(n, k, generator=g) * k**-0.5).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    res = torch.randn(m, n, generator=g).bfloat16()
+    packed = cpu_gemm.pack(w)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_gemm.matmul(lib.ps_gemm_bf16, x, packed, n)
+        got_res = cpu_gemm.matmul(lib.ps_gemm_bf16, x, packed, n, residual=res)
+        got_f32 = cpu_gemm.matmul(lib.ps_gemm_bf16, x, packed, n, out_dtype=torch.float32)
+        # Each row is computed the same way whatever the batch: row i alone gives the same bits.
+        alone = cpu_gemm.matmul(lib.ps_gemm_bf16, x[m - 1 :], packed, n)
+    finally:
+        torch.set_num_threads(old)
+    exact = F.linear(x.float(), w.float())
+    assert got.dtype == torch.bfloat16 and got_f32.dtype == torch.float32
+    # fp32 sums in another order than F.linear: only rounding differs
+    torch.testing.assert_close(got_f32, exact, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got.float(), exact, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got_res.float(), exact + res.float(), rtol=1e-2, atol=2e-2)
+    assert torch.equal(alone[0], got[m - 1])
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_linear_layouts_equal_the_plain_matmul(kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whichever layout a bf16 projection takes (the kernel's, else oneDNN's), it gives the plain
+    matmul's result with and without the fused residual, and drops its plain copy."""
+    if not kernel:
+        monkeypatch.setattr(build, "library", lambda: None)
+    g = torch.Generator().manual_seed(1)
+    lin = Linear(64, 96)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(96, 64, generator=g))
+    lin = lin.to(torch.bfloat16)
+    plain = lin.weight.detach().clone()
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    res = torch.randn(5, 96, generator=g).to(torch.bfloat16)
+    layout = lin.pack_for_cpu()
+    if kernel and _cpu_can_run_kernel():
+        assert layout == "cpu_gemm"
+    elif not kernel:
+        assert layout in ("onednn", None)
+        assert (lin.packed is not None) == (layout == "onednn")
+    if layout:
+        assert lin.weight.numel() == 0, "the plain copy is dropped"
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x), F.linear(x, plain), rtol=1e-2, atol=5e-2)
+        torch.testing.assert_close(lin(x, residual=res), torch.addmm(res, x, plain.t()), rtol=1e-2, atol=5e-2)
+
+
+def test_build_failure_is_reported_not_raised(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiler that fails leaves a clear reason, and library() falls back to None."""
+    bad = tmp_path / "cc"
+    bad.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo fake; exit 0; fi\necho 'no such flag' >&2\nexit 1\n")
+    bad.chmod(0o755)
+    with pytest.raises(build.KernelUnavailable, match="no such flag"):
+        build.build(str(bad), tmp_path / "out")
+    assert not list((tmp_path / "out").glob("*.so*")), "no half-built library is left behind"
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 8, 64), (16, 2, 128), (4, 1, 32)])
+def test_decode_attention_kernel_matches_float_reference(heads: int, kv_heads: int, dim: int, threads: int) -> None:
+    from phasesplit.runtime.kernels import cpu_attention
+
+    lib = build.library()
+    if lib is None:
+        assert not _cpu_can_run_kernel()
+        return
+    g = torch.Generator().manual_seed(heads + kv_heads + dim)
+    bs, blocks = 16, 64
+    k_cache = torch.randn(blocks * bs, kv_heads, dim, generator=g).bfloat16()
+    v_cache = torch.randn(blocks * bs, kv_heads, dim, generator=g).bfloat16()
+    lens = torch.tensor([1, 15, 16, 33, 250, 1000])
+    tables = torch.stack([torch.randperm(blocks, generator=g) for _ in lens])
+    # q rows strided as in the model (a slice of the q+k heads tensor)
+    qk = torch.randn(len(lens), heads + kv_heads, dim, generator=g).bfloat16()
+    q = qk[:, :heads]
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_attention.decode(lib.ps_decode_attention_bf16, q, k_cache, v_cache, tables, lens,
+                                   int(lens.max()), bs)
+    finally:
+        torch.set_num_threads(old)
+    want = cpu_attention.reference(q, k_cache, v_cache, tables, lens, bs)
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+    # a single token's attention is that token's V row
+    pos0 = tables[0, 0] * bs
+    torch.testing.assert_close(got[0].float(), v_cache[pos0].float().repeat_interleave(heads // kv_heads, dim=0))
+
+
+def test_decode_attention_kernel_refuses_tables_too_short() -> None:
+    from phasesplit.runtime.kernels import cpu_attention
+
+    lib = build.library()
+    if lib is None:
+        assert not _cpu_can_run_kernel()
+        return
+    cache = torch.zeros(64, 1, 32).bfloat16()
+    with pytest.raises(build.KernelUnavailable, match="rejected"):
+        # 40 tokens need 3 blocks of 16; the table has 2
+        cpu_attention.decode(lib.ps_decode_attention_bf16, torch.zeros(1, 2, 32).bfloat16(), cache, cache,
+                             torch.tensor([[0, 1]]), torch.tensor([40]), 40, 16)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("m", "inter", "k"), [(1, 1536, 576), (4, 16, 64), (7, 48, 34), (70, 32, 128)])
+def test_swiglu_epilogue_matches_silu_times_up(m: int, inter: int, k: int, threads: int) -> None:
+    lib = build.library()
+    if lib is None:
+        assert not _cpu_can_run_kernel()
+        return
+    g = torch.Generator().manual_seed(m + inter + k)
+    w = (torch.randn(2 * inter, k, generator=g) * k**-0.5).bfloat16()
+    x = (torch.randn(m, k, generator=g) * 3).bfloat16()  # large enough that silu's tails matter
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_gemm.matmul(lib.ps_gemm_bf16, x, cpu_gemm.pack_swiglu(w), 2 * inter, act=cpu_gemm.SWIGLU,
+                              out_dtype=torch.float32)
+    finally:
+        torch.set_num_threads(old)
+    gate, up = F.linear(x.float(), w.float()).chunk(2, dim=-1)
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_linear_swiglu_equals_silu_gate_times_up(kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not kernel:
+        monkeypatch.setattr(build, "library", lambda: None)
+    g = torch.Generator().manual_seed(2)
+    lin = Linear(64, 96)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(96, 64, generator=g) * 0.2)
+    lin = lin.to(torch.bfloat16)
+    plain = lin.weight.detach().clone()
+    lin.pack_for_cpu(swiglu=True)
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    gate, up = F.linear(x.float(), plain.float()).chunk(2, dim=-1)
+    with torch.inference_mode():
+        torch.testing.assert_close(lin.swiglu(x).float(), F.silu(gate) * up, rtol=2e-2, atol=2e-2)
