@@ -1,7 +1,7 @@
 """The router: the OpenAI API in front of prefill and decode pools.
 
 It tokenizes, validates, picks a decode worker (most free KV blocks, then fewest running) and
-ranks prefill workers (fewest queued prompt tokens; power of two choices), and relays the decode
+ranks prefill workers (fewest prompt tokens still to prefill, part-way ones included), and relays the decode
 worker's stream. Its TTFT/ITL histograms include queueing and KV transfer: the ones the
 autoscaler reads.
 """
@@ -41,7 +41,8 @@ class Worker:
     total_blocks: int = 0
     running: int = 0
     waiting: int = 0
-    waiting_tokens: int = 0
+    waiting_tokens: int = 0  # prompt tokens of requests not started (the worker's queue gauge)
+    queued_tokens: int = 0  # prompt tokens still to prefill, part-way prompts included
     inflight: int = 0  # requests this router sent since the last poll: keeps picks spread out
     last_seen: float = 0.0
 
@@ -77,22 +78,26 @@ def rank_prefill(pool: Pool, rng: random.Random, prompt: list[int] | None = None
 
     Prompts that share their first block go to the same worker (rendezvous hashing), where its
     prefix cache likely holds them, unless that worker's queue is much longer than the shortest;
-    otherwise power of two choices on queued prompt tokens.
+    otherwise the worker with the fewest prompt tokens still to prefill (ties at random). The
+    count includes prompts part-way through prefill: a worker in the middle of a long prompt is
+    busy, though its waiting queue is empty. All workers are compared, not two at random: this
+    router adds what it sends to the count at once, so its own picks do not herd, and two
+    random choices left queues uneven enough to cost a sixth of the prefill pool at the same
+    TTFT in the simulator (docs/autoscaling.md).
     """
     live = pool.live()
     if len(live) <= 1:
         return live
-    shortest = min(w.waiting_tokens for w in live)
+    shortest = min(w.queued_tokens for w in live)
     best = None
     if prompt is not None and len(prompt) > block_size:
         key = ",".join(map(str, prompt[:block_size]))
         home = max(live, key=lambda w: zlib.crc32(f"{w.url}|{key}".encode()))
-        if home.waiting_tokens <= shortest + AFFINITY_SLACK_TOKENS:
+        if home.queued_tokens <= shortest + AFFINITY_SLACK_TOKENS:
             best = home
     if best is None:
-        a, b = rng.sample(live, 2)
-        best = min((a, b), key=lambda w: w.waiting_tokens)
-    return [best] + sorted((w for w in live if w is not best), key=lambda w: w.waiting_tokens)
+        best = rng.choice([w for w in live if w.queued_tokens == shortest])
+    return [best] + sorted((w for w in live if w is not best), key=lambda w: w.queued_tokens)
 
 
 class RemoteBackend:
@@ -142,6 +147,7 @@ class RemoteBackend:
         w.up, w.last_seen, w.inflight = True, time.monotonic(), 0
         w.free_blocks, w.total_blocks = s["free_blocks"], s["total_blocks"]
         w.running, w.waiting, w.waiting_tokens = s["running"], s["waiting"], s["waiting_tokens"]
+        w.queued_tokens = s.get("queued_tokens", w.waiting_tokens)  # older workers: the queue only
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
                        ) -> AsyncIterator[RequestOutput]:
@@ -150,7 +156,9 @@ class RemoteBackend:
             raise RuntimeError("no decode worker is available")
         prefill = [w.url for w in rank_prefill(self.prefill, self.rng, prompt_ids)]
         if prefill:
-            self.prefill.workers[prefill[0]].waiting_tokens += len(prompt_ids)
+            chosen = self.prefill.workers[prefill[0]]
+            chosen.waiting_tokens += len(prompt_ids)
+            chosen.queued_tokens += len(prompt_ids)
         worker.inflight += 1
         m = self.metrics
         body = {"request_id": request_id, "prompt_ids": prompt_ids, "params": asdict(params),

@@ -74,9 +74,12 @@ def output_line(out: RequestOutput) -> bytes:
 
 
 def _state(engine: LLMEngine) -> dict[str, Any]:
-    return {"running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
-            "waiting_tokens": engine.scheduler.waiting_tokens, "free_blocks": engine.blocks.num_free,
-            "total_blocks": engine.blocks.num_blocks}
+    sched = engine.scheduler
+    # Prompt tokens still to compute, part-way prompts included: what the router balances on.
+    partial = sum(s.uncomputed for s in sched.running if s.uncomputed > 1)
+    return {"running": len(sched.running), "waiting": len(sched.waiting),
+            "waiting_tokens": sched.waiting_tokens, "queued_tokens": sched.waiting_tokens + partial,
+            "free_blocks": engine.blocks.num_free, "total_blocks": engine.blocks.num_blocks}
 
 
 def build_split_app(args: argparse.Namespace) -> FastAPI:

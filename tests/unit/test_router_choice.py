@@ -24,15 +24,24 @@ def test_prefill_same_prefix_same_worker_unless_overloaded():
     homes = {rank_prefill(p, rng, prompt + [i])[0].url for i in range(20)}
     assert len(homes) == 1, "prompts sharing the first block stick to one worker"
     home = next(w for w in ws if w.url in homes)
-    home.waiting_tokens = AFFINITY_SLACK_TOKENS + 1
+    home.queued_tokens = AFFINITY_SLACK_TOKENS + 1
     assert rank_prefill(p, rng, prompt)[0] is not home, "an overloaded home loses its affinity"
     spread = {rank_prefill(p, rng, [i] * 40)[0].url for i in range(200)}
     assert len(spread) >= 3, "different prefixes spread over the pool"
 
 
 def test_prefill_fallbacks_are_everyone_else_by_queue():
-    ws = [Worker("a", True, waiting_tokens=5), Worker("b", True, waiting_tokens=1), Worker("c", True, waiting_tokens=3)]
+    ws = [Worker("a", True, queued_tokens=5), Worker("b", True, queued_tokens=1), Worker("c", True, queued_tokens=3)]
     ranked = rank_prefill(pool(*ws), random.Random(1))
-    assert sorted(w.url for w in ranked) == ["a", "b", "c"]
-    assert ranked[0].url != "a", "two choices never pick the longest queue of three"
-    assert [w.waiting_tokens for w in ranked[1:]] == sorted(w.waiting_tokens for w in ranked[1:])
+    assert [w.url for w in ranked] == ["b", "c", "a"]
+
+
+def test_prefill_counts_part_way_prompts_as_busy():
+    # "a" has nothing waiting but is in the middle of a long prompt; "b" has a short one waiting.
+    ws = [Worker("a", True, waiting_tokens=0, queued_tokens=2500), Worker("b", True, waiting_tokens=300,
+                                                                           queued_tokens=300)]
+    assert rank_prefill(pool(*ws), random.Random(0))[0].url == "b"
+    # Idle workers share new prompts (ties at random), not the first in the list every time.
+    idle = pool(*(Worker(f"w{i}", True) for i in range(3)))
+    rng = random.Random(0)
+    assert len({rank_prefill(idle, rng)[0].url for _ in range(30)}) == 3
