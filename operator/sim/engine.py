@@ -1,18 +1,21 @@
 """Discrete-event model of router → prefill pool → KV transfer → decode pool.
 
-Request flow mirrors the runtime (docs/DESIGN): the router picks the decode replica with the
-most free KV and reserves the request's blocks there (prompt + output; requests wait at the
-router when no replica has room), then hands the prompt to a prefill replica. Prefill binding
-is late by default: the router keeps one FCFS queue and gives a prompt to the replica with the
-fewest queued tokens only while that replica holds less than `dispatch_cap_tokens` (about one
-chunk budget: enough that a replica never idles between prompts, little enough that a backlog
-stays at the router). A backlog then drains on every ready replica, including ones that became
-ready after it formed, instead of staying bound to the replicas it was dispatched to.
-`dispatch_cap_tokens=None` binds at arrival (the older model: fewest queued tokens, no cap).
-Prefill replicas serve their queue first come first served at a fixed token rate (chunked
-prefill keeps the throughput flat in the batch); the first token returns when the KV cache has
-crossed the network. Decode replicas run continuous batching: every running request gains one
-token per step and the step time grows with batch size and total context.
+Request flow mirrors the runtime (router.py, split.py, engine/scheduler.py). The router binds
+each request on arrival to the decode worker with the most free KV, which queues it (head of
+line) until its blocks fit, then hands the prompt to the prefill worker with the fewest prompt
+tokens still to prefill. A prefill worker runs the runtime's scheduler step by step: a token
+budget per step, a quarter of it first for the oldest started prompt, the rest to prompts
+shortest remaining first; a step costs its tokens at the replica's rate plus a per-request
+overhead for each prompt it admits. The first token returns when the KV cache has crossed the
+network. Decode replicas run continuous batching: every running request gains one token per
+step and the step time grows with batch size and total context.
+
+Two departures from the runtime: the decode reservation is prompt + output up front (the
+runtime reserves the prompt and grows, preempting the newest request when the cache is full;
+see `_admit`), and `dispatch_cap_tokens` can model a router that holds prompts itself (late
+binding: one FCFS queue, a prompt given to the least loaded replica only while it holds fewer
+tokens than the cap, so a backlog drains on replicas that became ready after it formed). The
+runtime's router does not do that; None (the default) binds at once, as it does.
 
 Decode is simulated per batch change, not per step: all running requests of a replica advance
 together, so a virtual clock V (tokens produced per request since the replica started) plus a
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,24 +57,36 @@ class Outcome:
         return (self.done - self.first_token) / (self.osl - 1) if self.osl > 1 else 0.0
 
 
-@dataclass
+@dataclass(eq=False)
+class Prompt:
+    """A prompt bound to a prefill replica (and the decode replica holding its blocks)."""
+
+    i: int
+    decode: Replica
+    left: float  # prompt tokens not computed yet
+    started: bool = False
+
+
+@dataclass(eq=False)
 class Replica:
     phase: str
     created: float
     ready_at: float
     removed: float | None = None
     draining: bool = False
-    # prefill
-    queue: deque = field(default_factory=deque)
-    queued_tokens: float = 0.0  # waiting + in service
-    busy: bool = False
+    # prefill: every prompt bound here (arrival order) and the started ones (admission order)
+    prompts: list = field(default_factory=list)
+    started: list = field(default_factory=list)
+    queued_tokens: float = 0.0  # Σ tokens left, waiting or part-way
+    busy: bool = False  # a step is being computed
     # decode
-    reserved: float = 0.0
+    waitq: deque = field(default_factory=deque)  # requests waiting for room to reserve their KV
+    reserved: float = 0.0  # KV tokens reserved (prompt + output of every admitted request)
     v: float = 0.0
     v_at: float = 0.0
     step: float = 0.0
     ctx_base: float = 0.0  # Σ(isl_i - vjoin_i): context of the batch = ctx_base + n·v
-    finishing: list = field(default_factory=list)  # heap of (target v, seq, request index)
+    finishing: list = field(default_factory=list)  # heap of (target v, request index)
     version: int = 0
 
     def ready(self, now: float) -> bool:
@@ -79,8 +95,13 @@ class Replica:
     def serving(self, now: float) -> bool:
         return self.removed is None and self.ready_at <= now
 
+    def idle(self) -> bool:
+        if self.phase == "prefill":
+            return not self.prompts and not self.busy
+        return not self.finishing and not self.waitq and self.reserved <= 0
 
-# A chunked-prefill step budget: a replica holding less than this gets the next prompt.
+
+# Late binding's cap (about one chunked-prefill step): a replica holding less gets the next prompt.
 DISPATCH_CAP_TOKENS = 2048.0
 
 Policy = Callable[[MetricsSnapshot, dict[str, int], float], dict[str, int]]
@@ -119,7 +140,7 @@ class Simulation:
     def __init__(self, requests: list[Request], profile: SimProfile, policy: Policy, initial: dict[str, int],
                  interval_s: float, slo_ttft: float, slo_itl: float, percentile: float = 0.95,
                  duration: float | None = None, sample_s: float = 10.0,
-                 dispatch_cap_tokens: float | None = DISPATCH_CAP_TOKENS):
+                 dispatch_cap_tokens: float | None = None):
         self.requests = requests
         self.dispatch_cap = dispatch_cap_tokens
         self.p = profile
@@ -133,8 +154,9 @@ class Simulation:
         self.replicas: list[Replica] = []
         self.events: list = []
         self.seq = 0
-        self.waiting: deque[int] = deque()  # requests with no decode KV room yet
-        # Late binding: prompts (with their decode reservation) not yet given to a prefill replica.
+        # Ties between equally loaded prefill replicas are broken at random, as in the runtime.
+        self.rng = random.Random(0)
+        # Late binding only: prompts (with their decode replica) not yet given to a prefill replica.
         self.pending: deque[tuple[int, Replica]] = deque()
         self.pending_tokens = 0.0
         self.samples: list[Sample] = []
@@ -162,9 +184,9 @@ class Simulation:
         while t <= self.duration + 1e-9:
             self._at(t, "sample")
             t += self.sample_s
-        handlers = {"arrive": self._arrive, "prefill_done": self._prefill_done, "first_token": self._first_token,
-                    "decode_next": self._decode_next, "ready": self._ready, "tick": self._tick,
-                    "sample": self._sample}
+        handlers = {"arrive": self._arrive, "prefill_step": self._prefill_step, "first_token": self._first_token,
+                    "decode_next": self._decode_next, "ready": self._ready,
+                    "tick": self._tick, "sample": self._sample}
         while self.events:
             now, _, kind, payload = heapq.heappop(self.events)
             handlers[kind](now, *payload)
@@ -174,48 +196,73 @@ class Simulation:
                 r.removed = end
         return self
 
+    def _pool(self, phase: str, now: float) -> list[Replica]:
+        pool = [r for r in self.replicas if r.phase == phase and r.ready(now)]
+        # Every replica draining or starting: use one that still serves.
+        return pool or [r for r in self.replicas if r.phase == phase and r.serving(now)]
+
     # ---- router ------------------------------------------------------------------------------
     def _arrive(self, now: float, i: int) -> None:
+        """The runtime's router binds a request to a decode worker at once (most free KV blocks,
+        then fewest requests); the worker queues it until its prompt's blocks fit."""
         o = self.out[i]
         self.w_arrivals += 1
         self.w_prompt += o.isl
         self.s_arrivals += 1
-        self.waiting.append(i)
-        self._admit(now)
+        def free(r: Replica) -> tuple[float, float]:
+            queued = sum(self.out[j].isl + self.out[j].osl for j in r.waitq)
+            return (self.p.kv_capacity_tokens - r.reserved - queued, -(len(r.finishing) + len(r.waitq)))
+        best = max(self._pool("decode", now), key=free)
+        best.waitq.append(i)
+        self._admit(now, best)
 
-    def _admit(self, now: float) -> None:
-        """Reserve decode KV for waiting requests in order (head-of-line: no overtaking)."""
-        while self.waiting:
-            i = self.waiting[0]
+    def _admit(self, now: float, r: Replica) -> None:
+        """Reserve KV for waiting requests in order (head-of-line, as the decode worker's
+        `_reserve_remote`). The runtime reserves the prompt's blocks and grows them as tokens
+        come, preempting the newest request (to recompute it) when the cache is full; this
+        model reserves prompt + output up front and never preempts (see docs/autoscaling.md)."""
+        cap = self.p.kv_capacity_tokens
+        while r.waitq:
+            i = r.waitq[0]
             need = self.out[i].isl + self.out[i].osl
-            best = None
-            for r in self.replicas:
-                if r.phase == "decode" and r.ready(now):
-                    free = self.p.kv_capacity_tokens - r.reserved
-                    if free >= need and (best is None or free > self.p.kv_capacity_tokens - best.reserved):
-                        best = r
-            if best is None:
-                # A request bigger than an empty replica can never fit: let it through on an empty
-                # replica rather than block the line forever (the runtime would reject it).
-                empty = [r for r in self.replicas if r.phase == "decode" and r.ready(now) and r.reserved == 0]
-                if not empty or need <= self.p.kv_capacity_tokens:
-                    return
-                best = empty[0]
-            self.waiting.popleft()
-            best.reserved += need
-            self._to_prefill(now, i, best)
+            # A request bigger than an empty replica can never fit: let it through rather than
+            # block the line forever (the runtime would have rejected it).
+            if r.reserved + need > cap and r.reserved > 0:
+                return
+            r.waitq.popleft()
+            r.reserved += need
+            self._to_prefill(now, i, r)
 
     def _to_prefill(self, now: float, i: int, decode: Replica) -> None:
-        self.pending.append((i, decode))
-        self.pending_tokens += self.out[i].isl
-        self._dispatch(now)
+        if self.dispatch_cap is not None:
+            self.pending.append((i, decode))
+            self.pending_tokens += self.out[i].isl
+            self._dispatch(now)
+            return
+        pool = self._pool("prefill", now)
+        if not pool:
+            self.pending.append((i, decode))
+            self.pending_tokens += self.out[i].isl
+            return
+        # The runtime's rank_prefill: fewest prompt tokens still to prefill, part-way ones included.
+        least = min(r.queued_tokens for r in pool)
+        self._bind(now, self.rng.choice([r for r in pool if r.queued_tokens == least]), i, decode)
+
+    @staticmethod
+    def _waiting_tokens(r: Replica) -> float:
+        return sum(p.left for p in r.prompts if not p.started)
+
+    def _bind(self, now: float, r: Replica, i: int, decode: Replica) -> None:
+        isl = self.out[i].isl
+        r.prompts.append(Prompt(i, decode, float(isl)))
+        r.queued_tokens += isl
+        self._start_step(now, r)
 
     def _dispatch(self, now: float) -> None:
-        """Give queued prompts, in order, to prefill replicas that have room under the cap."""
+        """Late binding (or no prefill replica at all yet): give queued prompts, in order, to the
+        replica with the fewest queued tokens while it holds less than the cap."""
         while self.pending:
-            pool = [r for r in self.replicas if r.phase == "prefill" and r.ready(now)]
-            if not pool:  # every prefill replica draining or starting: use one that is serving
-                pool = [r for r in self.replicas if r.phase == "prefill" and r.serving(now)]
+            pool = self._pool("prefill", now)
             if not pool:
                 return
             r = min(pool, key=lambda x: x.queued_tokens)
@@ -223,36 +270,69 @@ class Simulation:
             if self.dispatch_cap is not None and r.queued_tokens > 0 and r.queued_tokens >= self.dispatch_cap:
                 return
             i, decode = self.pending.popleft()
-            isl = self.out[i].isl
-            self.pending_tokens -= isl
-            r.queued_tokens += isl
-            r.queue.append((i, decode))
-            if not r.busy:
-                self._start_prefill(now, r)
+            self.pending_tokens -= self.out[i].isl
+            self._bind(now, r, i, decode)
 
     # ---- prefill -----------------------------------------------------------------------------
-    def _start_prefill(self, now: float, r: Replica) -> None:
-        i, decode = r.queue[0]
+    def _start_step(self, now: float, r: Replica) -> None:
+        """One engine step of the runtime's scheduler on a prefill worker: a token budget; the
+        oldest started prompt first gets a quarter of it, then prompts shortest remaining first
+        (started or waiting alike, FIFO on ties); the step costs its tokens at the replica's rate
+        plus the per-request overhead of the prompts it admits."""
+        if r.busy or not r.prompts:
+            return
+        budget = self.p.prefill_chunk_tokens
+        grants: dict[Prompt, float] = {}
+        partial = [p for p in r.started if p.left > 0]
+        if partial:
+            first = partial[0]
+            grants[first] = min(first.left, max(1, budget // 4), budget)
+            budget -= grants[first]
+        admitted = 0
+        waiting = [p for p in r.prompts if not p.started]
+        for p in sorted(partial + waiting, key=lambda p: p.left):
+            if budget <= 0:
+                break
+            if p.started:
+                extra = min(p.left - grants.get(p, 0.0), budget)
+                if extra > 0:
+                    grants[p] = grants.get(p, 0.0) + extra
+                    budget -= extra
+                continue
+            if len(r.started) >= self.p.max_batch:
+                break
+            p.started = True
+            r.started.append(p)
+            grants[p] = min(p.left, budget)
+            budget -= grants[p]
+            admitted += 1
         r.busy = True
-        self._at(now + self.p.prefill_overhead_s + self.out[i].isl / self.p.prefill_tokens_per_s,
-                 "prefill_done", r, i, decode)
+        took = sum(grants.values()) / self.p.prefill_tokens_per_s + admitted * self.p.prefill_overhead_s
+        self._at(now + took, "prefill_step", r, list(grants.items()))
 
-    def _prefill_done(self, now: float, r: Replica, i: int, decode: Replica) -> None:
-        r.queue.popleft()
-        r.queued_tokens -= self.out[i].isl
+    def _prefill_step(self, now: float, r: Replica, grants: list[tuple[Prompt, float]]) -> None:
         r.busy = False
-        self._dispatch(now)  # room under the cap again: the router's queue moves on
-        if r.queue and not r.busy:
-            self._start_prefill(now, r)
-        elif not r.queue and r.draining:
+        done = []
+        for p, g in grants:
+            p.left -= g
+            r.queued_tokens -= g
+            if p.left <= 1e-9:
+                done.append(p)
+        if done:
+            r.prompts = [p for p in r.prompts if p.left > 1e-9]
+            r.started = [p for p in r.started if p.left > 1e-9]
+        self._start_step(now, r)
+        self._dispatch(now)  # late binding: room under the cap again
+        if r.draining and r.idle():
             r.removed = now
-        # KV leaves layer by layer while later layers compute, so only the part of the transfer
-        # that outlasts the compute (at least the last layer's share) delays the first token.
-        isl = self.out[i].isl
-        total = isl * self.p.kv_bytes_per_token / self.p.transfer_bytes_per_s
-        compute = isl / self.p.prefill_tokens_per_s
-        exposed = self.p.transfer_latency_s + max(total - compute, total / self.p.layers)
-        self._at(now + exposed, "first_token", i, decode)
+        for p in done:
+            # KV leaves layer by layer while later layers compute, so only the part of the transfer
+            # that outlasts the compute (at least the last layer's share) delays the first token.
+            isl = self.out[p.i].isl
+            total = isl * self.p.kv_bytes_per_token / self.p.transfer_bytes_per_s
+            compute = isl / self.p.prefill_tokens_per_s
+            exposed = self.p.transfer_latency_s + max(total - compute, total / self.p.layers)
+            self._at(now + exposed, "first_token", p.i, p.decode)
 
     def _first_token(self, now: float, i: int, decode: Replica) -> None:
         o = self.out[i]
@@ -264,8 +344,7 @@ class Simulation:
             self._finish(now, i, decode)
             return
         self._advance(now, decode)
-        target = decode.v + (o.osl - 1)
-        heapq.heappush(decode.finishing, (target, i))
+        heapq.heappush(decode.finishing, (decode.v + (o.osl - 1), i))
         decode.ctx_base += o.isl - decode.v
         self._reschedule(now, decode)
 
@@ -309,15 +388,14 @@ class Simulation:
         o.done = now
         r.reserved -= o.isl + o.osl
         self.w_done.append(i)
-        if r.draining and not r.finishing and r.reserved <= 0:
+        self._admit(now, r)
+        if r.draining and r.removed is None and r.idle():
             r.removed = now
-        self._admit(now)
 
     # ---- scaling -----------------------------------------------------------------------------
     def _ready(self, now: float, r: Replica) -> None:
         if r.removed is None:
-            self._admit(now)
-            self._dispatch(now)  # a new prefill replica takes its share of the router's backlog
+            self._dispatch(now)  # prompts held for want of a prefill replica (or late binding)
 
     def _scale(self, now: float, phase: str, desired: int) -> None:
         desired = max(1, desired)
@@ -330,10 +408,11 @@ class Simulation:
         elif desired < len(live):
             # Remove pods still starting first, then the least loaded; drain, never drop work.
             def load(r: Replica) -> tuple:
-                return (r.ready_at <= now, r.queued_tokens if phase == "prefill" else r.reserved)
+                if phase == "prefill":
+                    return (r.ready_at <= now, r.queued_tokens)
+                return (r.ready_at <= now, r.reserved + sum(self.out[j].isl + self.out[j].osl for j in r.waitq))
             for r in sorted(live, key=load)[: len(live) - desired]:
-                if r.ready_at > now or (phase == "prefill" and not r.busy) or \
-                        (phase == "decode" and not r.finishing and r.reserved <= 0):
+                if r.ready_at > now or r.idle():
                     r.removed = now
                 else:
                     r.draining = True
@@ -386,11 +465,11 @@ class Simulation:
             if self.w_itl and sum(w for _, w in self.w_itl) > 0 else None,
             # The router's own queue (late binding) is prefill work waiting too; the router
             # exports it beside the replicas' queues.
-            prefill_queue_tokens=self.pending_tokens
-            + sum(r.queued_tokens - (self.out[r.queue[0][0]].isl if r.busy else 0) for r in pre),
-            prefill_waiting=float(len(self.pending) + sum(max(0, len(r.queue) - 1) for r in pre)),
+            # The workers' queues count prompts not started (the runtime's `waiting_tokens`).
+            prefill_queue_tokens=self.pending_tokens + sum(self._waiting_tokens(r) for r in pre),
+            prefill_waiting=float(len(self.pending) + sum(1 for r in pre for p in r.prompts if not p.started)),
             decode_running=float(sum(len(r.finishing) for r in dec)),
-            decode_waiting=float(len(self.waiting)),
+            decode_waiting=float(sum(len(r.waitq) for r in dec)),
             kv_usage=sum(r.reserved for r in dec) / (len(dec) * self.p.kv_capacity_tokens) if dec else None,
             slo_attainment=met / len(self.w_done) if self.w_done else None,
             ready_prefill=len(pre), ready_decode=len(dec),

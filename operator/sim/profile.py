@@ -8,7 +8,9 @@ Llama-3-class model in bf16 on one A100-40GB-class GPU, not measurements:
   (2 × 32 layers × 8 KV heads × 128 × 2 B) / 1.55 TB/s ≈ 85 ns per context token;
 - KV cache: 40 GB − 16 GB weights − ~4 GB activations/graphs ≈ 20 GB ≈ 152k tokens;
 - start-up: 60 s (pull cached image, load 16 GB of weights, capture CUDA graphs);
-- KV transfer: 100 Gb/s Ethernet ≈ 10 GB/s effective, 2 ms latency.
+- KV transfer: 100 Gb/s Ethernet ≈ 10 GB/s effective, 2 ms latency;
+- chunked prefill: 2,048 tokens per engine step (`--max-num-batched-tokens`; the runtime's CPU
+  default is 512).
 The "cpu-smollm2" profile is this runtime on a laptop-class CPU (SmolLM2-135M, fp32): prefill
 ≈ 2,000 tokens/s, decode step 20-40 ms at small batch. A JSON file with the same keys overrides
 any of these (`--profile FILE`).
@@ -40,6 +42,7 @@ class SimProfile:
     startup_s: float = 60.0
     transfer_bytes_per_s: float = 10e9
     transfer_latency_s: float = 0.002
+    prefill_chunk_tokens: int = 2048  # the engine's token budget per step (--max-num-batched-tokens)
 
     @cached_property
     def decode_profile(self) -> DecodeProfile:
@@ -71,7 +74,8 @@ PROFILES: dict[str, SimProfile] = {
     "cpu-smollm2": SimProfile(
         prefill_tokens_per_s=2000.0, prefill_overhead_s=0.02, decode_base_s=0.02, decode_per_seq_s=0.0005,
         decode_per_token_s=2e-7, max_batch=64, layers=30, kv_heads=3, head_dim=64, dtype_bytes=4,
-        kv_cache_bytes=2 * 1024**3, startup_s=10.0, transfer_bytes_per_s=1e9, transfer_latency_s=0.001),
+        kv_cache_bytes=2 * 1024**3, startup_s=10.0, transfer_bytes_per_s=1e9, transfer_latency_s=0.001,
+        prefill_chunk_tokens=512),
 }
 
 
