@@ -274,9 +274,22 @@ class Planner:
         isl, osl = snap.mean_prompt_tokens or 0.0, snap.mean_generated_tokens or 0.0
         running_frac = ((snap.decode_running or 0.0) * (isl + osl)
                         / ((snap.ready_decode or 1) * model.decode.kv_capacity_tokens))
-        full = (snap.decode_waiting or 0) > 0 or (snap.kv_usage or 0.0) >= cfg.kv_high
-        decode_bound = full and (not prefill_backlog or running_frac >= 1 - cfg.kv_headroom)
+        decode_bound = self._kv_short(snap) and (not prefill_backlog or running_frac >= 1 - cfg.kv_headroom)
         return prefill_backlog, decode_bound
+
+    def _kv_short(self, snap: MetricsSnapshot) -> bool:
+        """Decode KV is short: the cache is (nearly) full, or requests wait for it while it is.
+
+        The router binds a request to a decode worker on arrival, and the worker queues it until
+        its blocks fit; a queue on one full worker while the others have room (mean usage well
+        below full) is stranded there, and new replicas would only get new arrivals: not a
+        shortage. Without a usage figure, any waiting request counts.
+        """
+        cfg = self.config
+        waiting = (snap.decode_waiting or 0) > 0
+        if snap.kv_usage is None:
+            return waiting
+        return snap.kv_usage >= cfg.kv_high or (waiting and snap.kv_usage >= 1 - cfg.kv_headroom)
 
     def _prefill_floor(self, snap: MetricsSnapshot) -> float:
         """TTFT at the SLO percentile with no queue at all: the service time of a long prompt."""
@@ -311,8 +324,9 @@ class Planner:
         rate = snap.request_rate or 0.0
         isl, osl = snap.mean_prompt_tokens, snap.mean_generated_tokens
         running = snap.decode_running or 0.0
-        # Requests waiting for KV join over the next interval: extra arrivals, like prefill's backlog.
-        backlog_rate = (snap.decode_waiting or 0.0) / cfg.interval_s
+        # Requests waiting for KV join over the next interval: extra arrivals, like prefill's backlog
+        # (unless they are stranded on one full worker while the others have room).
+        backlog_rate = (snap.decode_waiting or 0.0) / cfg.interval_s if self._kv_short(snap) else 0.0
         if rate <= 0 or isl is None or osl is None:
             if running > 0:
                 return max(cfg.decode.min_replicas, snap.ready_decode or 1), "requests still running", None

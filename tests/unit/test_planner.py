@@ -167,6 +167,21 @@ def test_ttft_miss_with_full_kv_scales_decode():
     assert d.decode.recommended == 4
 
 
+def test_requests_stranded_on_one_full_decode_worker_are_not_a_kv_shortage():
+    # The router binds requests to a decode worker on arrival: 40 wait on one full worker while
+    # the three others are mostly free (mean usage 45 %). New replicas would only take new
+    # requests, so decode does not grow; the same queue with every worker full does.
+    planner = Planner(PlannerConfig(behavior=slow_up(), decode=PhaseLimits(1, 20)), frozen_model())
+    current = {"prefill": 2, "decode": 4}
+    d = planner.plan(snap(0, rate=1.0, ttft_p=1.0, kv_usage=0.45, decode_waiting=40.0, ready_decode=4),
+                     current, 0)
+    assert d.decode.desired == 4
+    planner = Planner(PlannerConfig(behavior=slow_up(), decode=PhaseLimits(1, 20)), frozen_model())
+    d = planner.plan(snap(0, rate=1.0, ttft_p=1.0, kv_usage=0.9, decode_waiting=40.0, ready_decode=4),
+                     current, 0)
+    assert d.decode.desired == 8
+
+
 def test_itl_miss_scales_decode():
     planner = Planner(PlannerConfig(behavior=slow_up(), decode=PhaseLimits(1, 20)), frozen_model())
     d = planner.plan(snap(0, rate=1.0, itl_p=0.075, ready_decode=2), {"prefill": 1, "decode": 2}, 0)
