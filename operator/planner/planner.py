@@ -207,18 +207,26 @@ class Planner:
         if (snap.ttft_p is not None and snap.ttft_p > cfg.ttft_s and cfg.ttft_s - floor > 0.2 * cfg.ttft_s
                 and not (decode_recovered and not prefill_backlog)):
             factor = min((snap.ttft_p - floor) / (cfg.ttft_s - floor), cfg.max_miss_factor)
-            phases = ["decode"] if decode_bound and not prefill_backlog else ["prefill"]
-            if decode_bound and prefill_backlog:
-                phases.append("decode")
-            for phase in phases:
-                base = (snap.ready_decode if phase == "decode" else snap.ready_prefill) or current[phase]
-                want = math.ceil(base * factor)
-                why = (f"TTFT p{cfg.percentile * 100:g} {snap.ttft_p * 1000:.0f}ms > {cfg.ttft_s * 1000:.0f}ms"
-                       f"{' with KV full' if phase == 'decode' else ''}: ×{factor:.2f}")
-                if phase == "prefill" and want > rec_p:
-                    rec_p, why_p, urgent["prefill"] = want, why, True
-                elif phase == "decode" and want > rec_d:
-                    rec_d, why_d, urgent["decode"] = want, why, True
+            miss = f"TTFT p{cfg.percentile * 100:g} {snap.ttft_p * 1000:.0f}ms > {cfg.ttft_s * 1000:.0f}ms"
+            if decode_bound:
+                want = math.ceil((snap.ready_decode or current["decode"]) * factor)
+                if want > rec_d:
+                    rec_d, why_d, urgent["decode"] = want, f"{miss} with KV full: ×{factor:.2f}", True
+            if prefill_backlog:
+                # The queue is there to see: size for draining it, not for the size of the miss. The
+                # TTFT of a window is the past (requests that already waited); what more replicas
+                # can change is the queue that is left when they are up.
+                want, why = self._drain_prefill(snap, plan_rate, current["prefill"])
+                if want > rec_p:
+                    rec_p, why_p, urgent["prefill"] = want, f"{miss}; {why}", True
+            elif not decode_bound and not (snap.decode_waiting or 0) > 0:
+                # No queue explains the miss: the model is off (a prior far from the truth, not yet
+                # calibrated). Trust the observation, in proportion to it.
+                want = math.ceil((snap.ready_prefill or current["prefill"]) * factor)
+                if want > rec_p:
+                    rec_p, why_p, urgent["prefill"] = want, f"{miss}: ×{factor:.2f}", True
+            # Requests waiting on a decode worker whose queue is stranded there (KV not short
+            # overall) explain the miss too; no replica added now would serve them sooner.
         if snap.itl_p is not None and snap.itl_p > cfg.itl_s:
             factor = min(snap.itl_p / cfg.itl_s, cfg.max_miss_factor)
             want = math.ceil((snap.ready_decode or current["decode"]) * factor)
@@ -258,6 +266,27 @@ class Planner:
             decode=PhaseDecision(current["decode"], *out["decode"]),
             stale=False, predicted_ttft_s=ttft_pred, predicted_itl_s=itl_pred,
             conditions=tuple(conditions))
+
+    def _drain_prefill(self, snap: MetricsSnapshot, rate: float, current: int) -> tuple[int, str]:
+        """Prefill replicas that drain the queue a new replica would still find when it is up.
+
+        Replicas ordered now serve one start-up (plus an interval) from now. By then the ready
+        replicas have worked on the queue while arrivals added to it; only what is left then,
+        drained within one interval on top of the arrivals, needs replicas beyond the current
+        count. A queue the serving replicas clear before then asks for nothing more.
+        """
+        cfg, prof = self.config, self.model.prefill
+        isl = snap.mean_prompt_tokens or 0.0
+        queue = snap.prefill_queue_tokens or 0.0
+        arriving = rate * isl
+        ready = snap.ready_prefill or current
+        lead = cfg.startup_s + cfg.interval_s
+        left = queue + (arriving - ready * prof.tokens_per_s) * lead
+        if left <= 0:
+            return 0, f"backlog {queue:.0f} tok drains on {ready} serving replicas before more could start"
+        want = math.ceil((arriving + left / cfg.interval_s) / prof.tokens_per_s)
+        return want, (f"backlog {queue:.0f} tok grows to {left:.0f} by the time replicas ordered now are up; "
+                      f"draining it within {cfg.interval_s:.0f}s")
 
     def _bottlenecks(self, snap: MetricsSnapshot) -> tuple[bool, bool]:
         """(prefill backlogged, decode KV-bound) from the queues of the window's end.

@@ -182,6 +182,34 @@ def test_requests_stranded_on_one_full_decode_worker_are_not_a_kv_shortage():
     assert d.decode.desired == 8
 
 
+def test_ttft_miss_with_a_backlog_sizes_for_the_queue_left_when_new_replicas_are_up():
+    # 4 serving replicas (36k tok/s) against 20k tok/s of arrivals: the 60k-token queue is gone
+    # long before a replica ordered now would be up, so the miss buys nothing (×2 would have
+    # doubled the pool).
+    current = {"prefill": 4, "decode": 2}
+    planner = Planner(PlannerConfig(behavior=slow_up(), prefill=PhaseLimits(1, 32)), frozen_model())
+    d = planner.plan(snap(0, rate=20.0, ttft_p=3.0, prefill_queue_tokens=60000.0, ready_prefill=4), current, 0)
+    assert d.prefill.desired == 4
+    # 2 serving replicas (18k tok/s) fall behind: the queue then keeps growing until the new ones
+    # are up, and the count must drain what is left on top of the arrivals.
+    planner = Planner(PlannerConfig(behavior=slow_up(), prefill=PhaseLimits(1, 32)), frozen_model())
+    current = {"prefill": 2, "decode": 2}
+    d = planner.plan(snap(0, rate=20.0, ttft_p=3.0, prefill_queue_tokens=300000.0, ready_prefill=2), current, 0)
+    left = 300000 + (20 * 1000 - 2 * 9000) * (60 + 15)
+    assert d.prefill.desired >= math.ceil((20 * 1000 + left / 15) / 9000)
+    assert "backlog" in d.prefill.reason
+
+
+def test_ttft_miss_of_requests_stranded_on_decode_is_not_prefills():
+    # No prefill queue, requests waiting on one full decode worker while the pool has room: the
+    # TTFT tail is theirs; neither phase grows.
+    planner = Planner(PlannerConfig(behavior=slow_up(), prefill=PhaseLimits(1, 20)), frozen_model())
+    current = {"prefill": 4, "decode": 4}
+    d = planner.plan(snap(0, rate=1.0, ttft_p=5.0, kv_usage=0.4, decode_waiting=30.0, ready_prefill=4,
+                          ready_decode=4), current, 0)
+    assert d.desired == current
+
+
 def test_itl_miss_scales_decode():
     planner = Planner(PlannerConfig(behavior=slow_up(), decode=PhaseLimits(1, 20)), frozen_model())
     d = planner.plan(snap(0, rate=1.0, itl_p=0.075, ready_decode=2), {"prefill": 1, "decode": 2}, 0)
