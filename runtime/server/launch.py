@@ -36,7 +36,9 @@ def build_engine(args: argparse.Namespace, phase: str) -> tuple[LLMEngine, Metri
     metrics = Metrics(name, phase)
     engine.observer = EngineMetrics(metrics, engine)
     metrics.bind(running=lambda: len(engine.scheduler.running),
-                 waiting=lambda: len(engine.scheduler.waiting),
+                 # Split decode workers queue requests for KV before their prefill (remote_waiting):
+                 # those wait for blocks too, which is what the planner reads this gauge for.
+                 waiting=lambda: len(engine.scheduler.waiting) + len(engine.remote_waiting),
                  kv_usage=lambda: engine.blocks.usage,
                  queue_tokens=lambda: engine.scheduler.waiting_tokens)
     return engine, metrics, name

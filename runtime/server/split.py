@@ -77,7 +77,7 @@ def _state(engine: LLMEngine) -> dict[str, Any]:
     sched = engine.scheduler
     # Prompt tokens still to compute, part-way prompts included: what the router balances on.
     partial = sum(s.uncomputed for s in sched.running if s.uncomputed > 1)
-    return {"running": len(sched.running), "waiting": len(sched.waiting),
+    return {"running": len(sched.running), "waiting": len(sched.waiting) + len(engine.remote_waiting),
             "waiting_tokens": sched.waiting_tokens, "queued_tokens": sched.waiting_tokens + partial,
             "free_blocks": engine.blocks.num_free, "total_blocks": engine.blocks.num_blocks}
 
