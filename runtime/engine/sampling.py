@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from phasesplit.runtime.kernels import build, cpu_argmax
+
 
 @dataclass
 class SamplingParams:
@@ -64,7 +66,8 @@ class Sampler:
         for i, ban in enumerate(banned):
             if ban:
                 logits[i, ban] = float("-inf")
-        out = logits.argmax(dim=-1).tolist()
+        lib = build.library() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+        out = (cpu_argmax.argmax(lib.ps_argmax_f32, logits) if lib else logits.argmax(dim=-1)).tolist()
         for i, p in enumerate(params):
             if not p.greedy:
                 out[i] = self._sample_row(logits[i], p, indices[i] if indices is not None else 0)

@@ -21,7 +21,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("gemm_bf16.c"), Path(__file__).with_name("decode_attention_bf16.c"))
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("gemm_bf16.c", "decode_attention_bf16.c", "rms_norm_bf16.c",
+                                                            "rope_bf16.c", "argmax_f32.c"))
 HEADERS = (Path(__file__).with_name("vec_math.h"),)
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-fPIC", "-shared"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
@@ -89,7 +90,7 @@ def library() -> ctypes.CDLL | None:
 
 
 def _load() -> ctypes.CDLL:
-    from phasesplit.runtime.kernels import cpu_attention, cpu_gemm
+    from phasesplit.runtime.kernels import cpu_argmax, cpu_attention, cpu_gemm, cpu_norm, cpu_rope
 
     if os.environ.get("PHASESPLIT_CPU_KERNELS", "1") == "0":
         raise KernelUnavailable("PHASESPLIT_CPU_KERNELS=0")
@@ -104,8 +105,7 @@ def _load() -> ctypes.CDLL:
     # torch is imported first, so the library's libgomp.so.1 resolves to the one torch loaded:
     # one OpenMP thread pool for both, not two pools fighting over the same cores.
     lib = ctypes.CDLL(str(build(cc, _cache_dir())))
-    cpu_gemm.declare(lib)
-    cpu_attention.declare(lib)
-    cpu_gemm.self_check(lib)
-    cpu_attention.self_check(lib)
+    for kernel in (cpu_gemm, cpu_attention, cpu_norm, cpu_rope, cpu_argmax):
+        kernel.declare(lib)
+        kernel.self_check(lib)
     return lib

@@ -77,9 +77,12 @@ def paged_attention(
     v: torch.Tensor,
     cache: LayerCache,
     meta: AttentionMetadata,
+    written: bool = False,
 ) -> torch.Tensor:
-    """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]."""
-    cache.write(meta.slot_mapping, k, v)
+    """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]. `written`: k and v are already in
+    their cache slots (the CPU RoPE kernel writes them)."""
+    if not written:
+        cache.write(meta.slot_mapping, k, v)
     gqa = q.shape[1] != k.shape[1]
     if meta.num_decode and not meta.prefills:
         return _decode(q, cache, meta, gqa)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phasesplit.runtime.kernels import build, cpu_gemm
+from phasesplit.runtime.kernels import build, cpu_gemm, cpu_norm, cpu_rope
 from phasesplit.runtime.model.attention import AttentionMetadata, LayerCache, layer_caches, paged_attention
 from phasesplit.runtime.model.config import ModelConfig
 
@@ -148,15 +148,23 @@ class DecoderLayer(nn.Module):
         self.down = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, rope_kernel=None) -> torch.Tensor:
+        """`rope_kernel` (the CPU kernel library): cos/sin are float32 [tokens, head_dim/2] and one
+        C call rotates Q and K in place and writes K/V to the cache; else torch does both."""
         h = rms_norm(x, self.attn_norm, self.eps)
         t = x.shape[0]
         qkv = self.qkv(h).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        # Q and K heads sit next to each other: one RoPE call rotates both (half the ops per layer).
-        qk = apply_rope(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, self.num_heads + self.num_kv_heads :]
-        attn = paged_attention(q, k, v, cache, meta)
+        nq, nkv = self.num_heads, self.num_kv_heads
+        if rope_kernel is not None:
+            cpu_rope.rope_and_write(rope_kernel.ps_rope_write_bf16, qkv, nq, nkv, cos, sin, meta.slot_mapping,
+                                    cache.k, cache.v)
+            q, k, v = qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :]
+            attn = paged_attention(q, k, v, cache, meta, written=True)
+        else:
+            # Q and K heads sit next to each other: one RoPE call rotates both (half the ops).
+            qk = apply_rope(qkv[:, : nq + nkv], cos, sin)
+            q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv :]
+            attn = paged_attention(q, k, v, cache, meta)
         # Each residual add is folded into its projection: one op and one pass fewer.
         x = self.o_proj(attn.reshape(t, self.q_size), residual=x)
         h = rms_norm(x, self.mlp_norm, self.eps)
@@ -169,10 +177,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     For bf16/fp16 inputs F.rms_norm upcasts the whole activation and runs ~10 ops over it:
     measured 5.6 ms for a 2048-token prefill chunk here against 0.33 ms for this (one float32
     reduction, then two multiplies in the input's dtype), the same rounding class as Hugging
-    Face's module. float32 keeps F.rms_norm, which is exactly Hugging Face's arithmetic.
+    Face's module. bf16 on a CPU with the kernels: one C call (cpu_norm). float32 keeps
+    F.rms_norm, which is exactly Hugging Face's arithmetic.
     """
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.shape[1] % 16 == 0:
+        lib = build.library()
+        if lib is not None:
+            return cpu_norm.rms_norm(lib.ps_rms_norm_bf16, x, weight, eps)
     norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
     return x * torch.rsqrt(norm.square_().div_(x.shape[-1]).add_(eps)).to(x.dtype) * weight
 
@@ -217,17 +230,28 @@ class LlamaModel(nn.Module):
         layer i's K/V are in the cache (the prefill worker streams them out from there).
         """
         x = self.embed(input_ids)
-        cos, sin = self.rope_tables(positions, x.dtype)
+        rope_kernel = self._rope_kernel(x, kv_cache)
+        if rope_kernel is not None:
+            freqs = positions.float()[:, None] * self.inv_freq[None, :]
+            cos, sin = freqs.cos(), freqs.sin()
+        else:
+            cos, sin = self.rope_tables(positions, x.dtype)
         if self._caches is None or self._caches[0] is not kv_cache:
             self._caches = (kv_cache, layer_caches(kv_cache))
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, self._caches[1][i], meta)
+            x = layer(x, cos, sin, self._caches[1][i], meta, rope_kernel)
             if after_layer is not None:
                 after_layer(i)
         x = rms_norm(x[logits_index], self.norm, self.cfg.rms_eps)
         head = self.lm_head or self.tied_head
         logits = F.linear(x, self.embed.weight) if head is None else head(x, out_dtype=torch.float32)
         return logits.float()
+
+    def _rope_kernel(self, x: torch.Tensor, kv_cache: torch.Tensor):
+        if (x.device.type != "cpu" or x.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16
+                or self.cfg.head_dim % 32):
+            return None
+        return build.library()
 
     def pack_for_cpu(self) -> dict[str, int]:
         """Re-lay every projection for the CPU matmul (see Linear.pack_for_cpu); a tied LM head

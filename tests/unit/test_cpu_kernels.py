@@ -181,3 +181,69 @@ def test_linear_swiglu_equals_silu_gate_times_up(kernel: bool, monkeypatch: pyte
     gate, up = F.linear(x.float(), plain.float()).chunk(2, dim=-1)
     with torch.inference_mode():
         torch.testing.assert_close(lin.swiglu(x).float(), F.silu(gate) * up, rtol=2e-2, atol=2e-2)
+
+
+def test_rms_norm_kernel_matches_hugging_face_arithmetic() -> None:
+    from phasesplit.runtime.kernels import cpu_norm
+    from phasesplit.runtime.model.llama import rms_norm
+
+    lib = build.library()
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(37, 576, generator=g) * 5).bfloat16()
+    w = torch.randn(576, generator=g).bfloat16()
+    want = cpu_norm.reference(x, w, 1e-5)
+    got = rms_norm(x, w, 1e-5)  # through the kernel where it is built, else the torch path
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+    if lib is None:
+        assert not _cpu_can_run_kernel()
+        return
+    # same rounding steps as the reference: at most one bf16 ulp apart, and almost always equal
+    direct = cpu_norm.rms_norm(lib.ps_rms_norm_bf16, x, w, 1e-5)
+    assert (direct != want).float().mean() < 0.01
+
+
+def test_rope_kernel_rotates_q_and_k_and_writes_the_cache() -> None:
+    """The model's torch RoPE (apply_rope with the signed-sin tables) against the kernel, on
+    SmolLM2's head layout, with the K/V rows landing in their slots."""
+    from phasesplit.runtime.kernels import cpu_rope
+    from phasesplit.runtime.model.config import ModelConfig
+    from phasesplit.runtime.model.llama import LlamaModel, apply_rope, rope_inv_freq
+
+    lib = build.library()
+    if lib is None:
+        assert not _cpu_can_run_kernel()
+        return
+    cfg = ModelConfig(vocab_size=32, hidden_size=576, intermediate_size=64, num_layers=1, num_heads=9,
+                      num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_eps=1e-5, max_position=8192,
+                      tie_embeddings=True)
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    model.inv_freq = rope_inv_freq(cfg)
+    g = torch.Generator().manual_seed(5)
+    pos = torch.tensor([0, 7, 300, 5000])
+    qkv = torch.randn(4, 15, 64, generator=g).bfloat16()
+    cos, sin = model.rope_tables(pos, torch.float32)
+    want = apply_rope(qkv[:, :12].float(), cos, sin)
+    freqs = pos.float()[:, None] * model.inv_freq[None, :]
+    k_cache, v_cache = torch.zeros(10, 3, 64).bfloat16(), torch.zeros(10, 3, 64).bfloat16()
+    work = qkv.clone()
+    cpu_rope.rope_and_write(lib.ps_rope_write_bf16, work, 9, 3, freqs.cos(), freqs.sin(), torch.tensor([2, 9, 0, 4]),
+                            k_cache, v_cache)
+    torch.testing.assert_close(work[:, :12].float(), want, rtol=1e-2, atol=2e-2)
+    assert torch.equal(k_cache[[2, 9, 0, 4]], work[:, 9:12]) and torch.equal(v_cache[[2, 9, 0, 4]], qkv[:, 12:])
+    assert torch.equal(work[:, 12:], qkv[:, 12:]), "V is not rotated"
+
+
+def test_argmax_kernel_equals_torch_including_ties() -> None:
+    from phasesplit.runtime.kernels import cpu_argmax
+
+    lib = build.library()
+    if lib is None:
+        assert not _cpu_can_run_kernel()
+        return
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(33, 49152, generator=g)
+    x[0, 10] = x[0, 20] = 99.0
+    x[1, -1] = 99.0  # the last column
+    x[2] = 0.0  # all equal: index 0
+    assert torch.equal(cpu_argmax.argmax(lib.ps_argmax_f32, x), x.argmax(-1))
