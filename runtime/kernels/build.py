@@ -1,9 +1,12 @@
 """Compile the C kernels in this folder once, cache the library, load it (CPUs with AVX512-BF16).
 
 The sources are compiled with the system's C compiler on first use and cached under
-`~/.cache/phasesplit/kernels/`, keyed by the sources, flags and compiler, so later starts only
-load the library (~1 ms). No compiler, another CPU, or PHASESPLIT_CPU_KERNELS=0: `library()` is
-None and callers use torch. Each kernel is checked against torch once before anything uses it.
+`~/.cache/phasesplit/kernels/`, keyed by the sources and flags, so later starts only load the
+library (~1 ms). An image without a compiler ships it prebuilt: `python -m
+phasesplit.runtime.kernels.build DIR` at image build, and PHASESPLIT_KERNELS_DIR=DIR at run time
+(the runtime Dockerfile does this). No library and no compiler, another CPU, or
+PHASESPLIT_CPU_KERNELS=0: `library()` is None and callers use torch. Each kernel is checked
+against torch once before anything uses it.
 """
 
 from __future__ import annotations
@@ -54,13 +57,17 @@ def _compiler() -> str | None:
     return None
 
 
-def build(cc: str, out_dir: Path) -> Path:
-    """Compile the kernels (once per sources/flags/compiler) and return the library's path."""
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    digest = hashlib.sha256(" ".join(FLAGS).encode() + version.encode())
+def library_name() -> str:
+    """The library's file name: a hash of the sources and flags, so an edit never loads a stale build."""
+    digest = hashlib.sha256(" ".join(FLAGS).encode())
     for src in SOURCES + HEADERS:
         digest.update(src.read_bytes())
-    lib = out_dir / f"phasesplit_kernels-{digest.hexdigest()[:16]}.so"
+    return f"phasesplit_kernels-{digest.hexdigest()[:16]}.so"
+
+
+def build(cc: str, out_dir: Path) -> Path:
+    """Compile the kernels (once per sources and flags) and return the library's path."""
+    lib = out_dir / library_name()
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -99,13 +106,41 @@ def _load() -> ctypes.CDLL:
     with open("/proc/cpuinfo") as f:
         if not cpu_supported(f.read()):
             raise KernelUnavailable(f"the CPU lacks one of {', '.join(CPU_FLAGS)}")
-    cc = _compiler()
-    if cc is None:
-        raise KernelUnavailable("no C compiler (cc, gcc or clang) on PATH")
+    prebuilt = Path(os.environ.get("PHASESPLIT_KERNELS_DIR") or _cache_dir()) / library_name()
+    if prebuilt.exists():
+        path = prebuilt
+    else:
+        cc = _compiler()
+        if cc is None:
+            raise KernelUnavailable(f"no C compiler (cc, gcc or clang) on PATH and no {prebuilt}")
+        path = build(cc, _cache_dir())
     # torch is imported first, so the library's libgomp.so.1 resolves to the one torch loaded:
     # one OpenMP thread pool for both, not two pools fighting over the same cores.
-    lib = ctypes.CDLL(str(build(cc, _cache_dir())))
+    lib = ctypes.CDLL(str(path))
     for kernel in (cpu_gemm, cpu_attention, cpu_norm, cpu_rope, cpu_argmax):
         kernel.declare(lib)
         kernel.self_check(lib)
     return lib
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Prebuild the library into a folder (for images without a compiler)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m phasesplit.runtime.kernels.build", description=main.__doc__)
+    ap.add_argument("dir", type=Path)
+    args = ap.parse_args(argv)
+    cc = _compiler()
+    if cc is None:
+        print("no C compiler (cc, gcc or clang) on PATH", flush=True)
+        return 1
+    try:
+        print(build(cc, args.dir))
+    except KernelUnavailable as e:
+        print(e)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -247,3 +247,21 @@ def test_argmax_kernel_equals_torch_including_ties() -> None:
     x[1, -1] = 99.0  # the last column
     x[2] = 0.0  # all equal: index 0
     assert torch.equal(cpu_argmax.argmax(lib.ps_argmax_f32, x), x.argmax(-1))
+
+
+def test_prebuilt_library_loads_without_a_compiler(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An image builds the library at build time (python -m ...kernels.build DIR) and runs with
+    PHASESPLIT_KERNELS_DIR=DIR and no compiler on PATH."""
+    if not _cpu_can_run_kernel():
+        assert build.library() is None
+        return
+    assert build.main([str(tmp_path / "prebuilt")]) == 0
+    monkeypatch.setenv("PHASESPLIT_KERNELS_DIR", str(tmp_path / "prebuilt"))
+    monkeypatch.setenv("PHASESPLIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PATH", str(tmp_path / "no-tools"))
+    monkeypatch.delenv("CC", raising=False)
+    lib = build._load()
+    assert lib._name == str(tmp_path / "prebuilt" / build.library_name())
+    monkeypatch.setenv("PHASESPLIT_KERNELS_DIR", str(tmp_path / "empty"))
+    with pytest.raises(build.KernelUnavailable, match="no C compiler"):
+        build._load()
