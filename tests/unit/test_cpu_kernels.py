@@ -18,7 +18,7 @@ def _cpu_can_run_kernel() -> bool:
 
 
 def test_cpu_flag_parsing() -> None:
-    line = "flags\t\t: fpu sse2 avx512f avx512bw avx512vl avx512_bf16 avx512_vnni\n"
+    line = "flags\t\t: fpu sse2 avx512f avx512dq avx512bw avx512vl avx512_bf16 avx512_vnni\n"
     assert build.cpu_supported("processor : 0\n" + line)
     assert not build.cpu_supported("flags : fpu sse2 avx512f avx512bw avx512vl\n")
     assert not build.cpu_supported("no flags here")
