@@ -25,8 +25,10 @@ log = logging.getLogger(__name__)
 # seconds to every start (scale-up speed). vLLM's CPU backend takes a fixed 4 GiB.
 CPU_DEFAULT_KV_CAP = 1 << 30
 
-# Decode-only steps of at most this many sequences run single-threaded under sleeping OpenMP waits.
+# Decode-only steps of at most this many sequences run single-threaded under sleeping OpenMP waits
+# (torch ops; with the CPU kernels, whose matmuls use the second core better: KERNEL_...).
 SMALL_DECODE_BATCH = 4
+KERNEL_SMALL_DECODE_BATCH = 2
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -147,12 +149,15 @@ class ModelRunner:
         self.kv_cache[:, :, 0].zero_()
         self.threads = torch.get_num_threads()
         # With sleeping OpenMP waits every parallel op pays a thread wake-up; for a few decode
-        # sequences that costs more than the second core gives back. Measured here (2 threads):
-        # batch 1-4 steps 40-49 ms on one thread vs 50-61 ms on two; batch 8 even; 16+ favour two.
+        # sequences that costs more than the second core gives back. Measured here (2 threads),
+        # torch ops: batch 1-4 steps 40-49 ms on one thread vs 50-61 ms on two; batch 8 even;
+        # 16+ favour two. CPU kernels: batch 1 21.5 vs 23.9 ms, 2 even (23.6 / 23.3), 4 favours
+        # two (31.2 / 28.5), 32 62.6 vs 90.8 ms.
         self.small_step_threads = (1 if self.device.type == "cpu" and self.threads > 1
                                    and os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" else None)
         self._step_threads = self.threads
         self.paged_kernel = kernel_decode_available(self.device, self.dtype)
+        self.small_decode_batch = KERNEL_SMALL_DECODE_BATCH if self.paged_kernel else SMALL_DECODE_BATCH
         log.info("model loaded on %s/%s in %.2fs; KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
                  self.device, str(self.dtype).removeprefix("torch."), time.perf_counter() - t0,
                  self.num_blocks, self.block_size, self.num_blocks * self.block_size,
@@ -167,7 +172,7 @@ class ModelRunner:
             ) -> tuple[list[Sequence], torch.Tensor]:
         """One forward pass. Returns the sequences that reached their end this step (they need a
         sampled token) and their logits, row for row."""
-        small = self.small_step_threads and not batch.prefill and len(batch.decode) <= SMALL_DECODE_BATCH
+        small = self.small_step_threads and not batch.prefill and len(batch.decode) <= self.small_decode_batch
         threads = self.small_step_threads if small else self.threads
         if threads != self._step_threads:
             torch.set_num_threads(threads)
