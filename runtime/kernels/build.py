@@ -25,8 +25,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("gemm_bf16.c", "decode_attention_bf16.c", "rms_norm_bf16.c",
-                                                            "rope_bf16.c", "argmax_f32.c"))
-HEADERS = (Path(__file__).with_name("vec_math.h"),)
+                                                            "rope_bf16.c", "argmax_f32.c",
+                                                            "prefill_attention_bf16.c"))
+HEADERS = (Path(__file__).with_name("vec_math.h"), Path(__file__).with_name("gemm_block.h"))
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-fopenmp", "-fPIC", "-shared"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
 

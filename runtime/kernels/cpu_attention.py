@@ -19,6 +19,41 @@ def declare(lib: ctypes.CDLL) -> None:
                     ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_long] * 5
                    + [ctypes.c_float, ctypes.c_void_p, ctypes.c_long, ctypes.c_int])
     fn.restype = ctypes.c_int
+    fn = lib.ps_prefill_attention_bf16
+    fn.argtypes = ([ctypes.c_void_p, ctypes.c_long] * 3 + [ctypes.c_void_p] + [ctypes.c_long] * 4
+                   + [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int])
+    fn.restype = ctypes.c_int
+    fn = lib.ps_prefill_attention_scratch
+    fn.argtypes = [ctypes.c_long] * 4 + [ctypes.POINTER(ctypes.c_long)]
+    fn.restype = ctypes.c_long
+
+
+def prefill(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of a chunk with no cached prefix: q [L, heads, dim], k/v [L, kv_heads, dim]
+    (bf16; rows may be strided, each row's heads contiguous). Returns [L, heads, dim]."""
+    n, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    q, k, v = (t if t.stride(2) == 1 and t.stride(1) == dim else t.contiguous() for t in (q, k, v))
+    pack_elems = ctypes.c_long()
+    per_thread = lib.ps_prefill_attention_scratch(n, heads, kv_heads, dim, ctypes.byref(pack_elems))
+    threads = torch.get_num_threads()
+    pack = torch.empty(pack_elems.value, dtype=torch.bfloat16)
+    scratch = torch.empty(threads * per_thread, dtype=torch.uint8)
+    out = torch.empty(n, heads, dim, dtype=q.dtype)
+    rc = lib.ps_prefill_attention_bf16(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                                       out.data_ptr(), n, heads, kv_heads, dim, dim**-0.5, pack.data_ptr(),
+                                       scratch.data_ptr(), per_thread, threads)
+    if rc != 0:
+        raise KernelUnavailable(f"prefill attention rejected its arguments (code {rc})")
+    return out
+
+
+def prefill_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """float32 causal attention with GQA: what `prefill` must equal up to rounding."""
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None], v.float().transpose(0, 1)[None],
+        is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    return o[0].transpose(0, 1)
 
 
 def decode(fn: ctypes._CFuncPtr, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -58,6 +93,21 @@ def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tab
 
 
 def self_check(lib: ctypes.CDLL) -> None:
+    g = torch.Generator().manual_seed(1)
+    for n, heads, kv_heads, dim in ((1, 2, 1, 32), (37, 9, 3, 64), (50, 4, 4, 64)):
+        qkv = torch.randn(n, heads + 2 * kv_heads, dim, generator=g).bfloat16()
+        q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+        for threads in (1, 2):
+            old = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                got = prefill(lib, q, k, v)
+            finally:
+                torch.set_num_threads(old)
+            err = (got.float() - prefill_reference(q, k, v)).abs().max().item()
+            if not err <= 0.03:
+                raise KernelUnavailable(f"prefill attention self-check failed ({n} tokens, heads {heads}/{kv_heads}: "
+                                        f"max error {err:.3g})")
     fn = lib.ps_decode_attention_bf16
     g = torch.Generator().manual_seed(0)
     for heads, kv_heads, dim, lens in ((9, 3, 64, [1, 17, 40]), (4, 4, 32, [5, 33]), (8, 1, 128, [70])):

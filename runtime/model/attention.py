@@ -89,7 +89,12 @@ def paged_attention(
     out = torch.empty_like(q)
     if meta.num_decode:
         out[: meta.num_decode] = _decode(q[: meta.num_decode], cache, meta, gqa)
+    lib = build.library() if q.device.type == "cpu" and q.dtype == torch.bfloat16 else None
     for seg in meta.prefills:
+        if seg.gather is None and lib is not None:  # no cached prefix: the CPU kernel (2-3x SDPA here)
+            sl = slice(seg.start, seg.start + seg.length)
+            out[sl] = cpu_attention.prefill(lib, q[sl], k[sl], v[sl])
+            continue
         qs = q[seg.start : seg.start + seg.length].transpose(0, 1).unsqueeze(0)
         if seg.gather is None:
             ks = k[seg.start : seg.start + seg.length]
