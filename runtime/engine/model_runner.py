@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from phasesplit.runtime.engine.cuda_graphs import DecodeGraphs
 from phasesplit.runtime.engine.scheduler import ScheduledBatch
 from phasesplit.runtime.engine.sequence import Sequence
-from phasesplit.runtime.model.attention import build_metadata, kernel_decode_available
+from phasesplit.runtime.model.attention import DECODE_WIDTH_STEP, build_metadata, kernel_decode_available
 from phasesplit.runtime.model.config import ModelConfig
 from phasesplit.runtime.model.llama import LlamaModel, rope_inv_freq
 from phasesplit.runtime.model.loader import ModelFiles, load_weights, read_config
@@ -144,9 +145,18 @@ class ModelRunner:
         # Left uninitialised: zeroing gigabytes costs seconds at every start. Attention only reads
         # slots that were written, except padding in batched decode, which points at slot 0; that
         # slot must hold finite numbers (a NaN there would survive its zero attention weight).
-        self.kv_cache = torch.empty(2, c.num_layers, self.num_blocks * self.block_size, c.num_kv_heads,
-                                    c.head_dim, dtype=self.dtype, device=self.device)
+        # On CUDA one block more than the block manager hands out: padding rows of graph-replayed
+        # decode steps write their K/V there (cuda_graphs.py).
+        use_graphs = self.device.type == "cuda" and os.environ.get("PHASESPLIT_CUDA_GRAPHS", "1") != "0"
+        slots = (self.num_blocks + (1 if use_graphs else 0)) * self.block_size
+        self.kv_cache = torch.empty(2, c.num_layers, slots, c.num_kv_heads, c.head_dim, dtype=self.dtype,
+                                    device=self.device)
         self.kv_cache[:, :, 0].zero_()
+        self.graphs = None
+        if use_graphs:
+            width = -(-self.max_model_len // DECODE_WIDTH_STEP) * DECODE_WIDTH_STEP
+            self.graphs = DecodeGraphs(model, self.kv_cache, self.block_size, self.num_blocks * self.block_size,
+                                       width, self.dtype)
         self.threads = torch.get_num_threads()
         # With sleeping OpenMP waits every parallel op pays a thread wake-up; for a few decode
         # sequences that costs more than the second core gives back. Measured here (2 threads),
@@ -195,10 +205,24 @@ class ModelRunner:
             if start + chunk == len(seq):
                 logits_rows.append(len(ids) - 1)
                 sampled.append(seq)
-        meta = build_metadata([(s.block_table, len(s)) for s in batch.decode], prefill_meta,
-                              self.block_size, self.device, self.dtype, self.paged_kernel)
+        decode = [(s.block_table, len(s)) for s in batch.decode]
+        logits = None
+        if self.graphs is not None and decode and not batch.prefill and after_layer is None:
+            logits = self.graphs.run(decode, ids)
+        if logits is None:
+            logits = self._forward(ids, pos, logits_rows, decode, prefill_meta, after_layer)
+        for seq in batch.decode:
+            seq.num_computed += 1
+        for seq, chunk in batch.prefill:
+            seq.num_computed += chunk
+        return sampled, logits
+
+    def _forward(self, ids: list[int], pos: list[int], logits_rows: list[int], decode: list[tuple[list[int], int]],
+                 prefill_meta: list[tuple[list[int], int, int]], after_layer: Callable[[int], None] | None
+                 ) -> torch.Tensor:
+        meta = build_metadata(decode, prefill_meta, self.block_size, self.device, self.dtype, self.paged_kernel)
         dev = self.device
-        logits = self.model(
+        return self.model(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(pos, dtype=torch.long, device=dev),
             self.kv_cache,
@@ -206,11 +230,6 @@ class ModelRunner:
             torch.tensor(logits_rows, dtype=torch.long, device=dev),
             after_layer,
         )
-        for seq in batch.decode:
-            seq.num_computed += 1
-        for seq, chunk in batch.prefill:
-            seq.num_computed += chunk
-        return sampled, logits
 
     def slots(self, seq: Sequence, begin: int, end: int) -> torch.Tensor:
         """Flat cache slots of token positions [begin, end) of a sequence."""
