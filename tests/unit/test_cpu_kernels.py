@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -10,6 +12,16 @@ import torch.nn.functional as F
 
 from phasesplit.runtime.kernels import build, cpu_gemm
 from phasesplit.runtime.model.llama import Linear
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 def _cpu_can_run_kernel() -> bool:
@@ -43,16 +55,12 @@ def test_kernel_matches_float_matmul(m: int, n: int, k: int, threads: int) -> No
     x = torch.randn(m, k, generator=g).bfloat16()
     res = torch.randn(m, n, generator=g).bfloat16()
     packed = cpu_gemm.pack(w)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads(threads):
         got = cpu_gemm.matmul(lib.ps_gemm_bf16, x, packed, n)
         got_res = cpu_gemm.matmul(lib.ps_gemm_bf16, x, packed, n, residual=res)
         got_f32 = cpu_gemm.matmul(lib.ps_gemm_bf16, x, packed, n, out_dtype=torch.float32)
         # Each row is computed the same way whatever the batch: row i alone gives the same bits.
         alone = cpu_gemm.matmul(lib.ps_gemm_bf16, x[m - 1 :], packed, n)
-    finally:
-        torch.set_num_threads(old)
     exact = F.linear(x.float(), w.float())
     assert got.dtype == torch.bfloat16 and got_f32.dtype == torch.float32
     # fp32 sums in another order than F.linear: only rounding differs
@@ -117,13 +125,9 @@ def test_decode_attention_kernel_matches_float_reference(heads: int, kv_heads: i
     # q rows strided as in the model (a slice of the q+k heads tensor)
     qk = torch.randn(len(lens), heads + kv_heads, dim, generator=g).bfloat16()
     q = qk[:, :heads]
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads(threads):
         got = cpu_attention.decode(lib.ps_decode_attention_bf16, q, k_cache, v_cache, tables, lens,
                                    int(lens.max()), bs)
-    finally:
-        torch.set_num_threads(old)
     want = cpu_attention.reference(q, k_cache, v_cache, tables, lens, bs)
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
     # a single token's attention is that token's V row
@@ -155,13 +159,9 @@ def test_swiglu_epilogue_matches_silu_times_up(m: int, inter: int, k: int, threa
     g = torch.Generator().manual_seed(m + inter + k)
     w = (torch.randn(2 * inter, k, generator=g) * k**-0.5).bfloat16()
     x = (torch.randn(m, k, generator=g) * 3).bfloat16()  # large enough that silu's tails matter
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads(threads):
         got = cpu_gemm.matmul(lib.ps_gemm_bf16, x, cpu_gemm.pack_swiglu(w), 2 * inter, act=cpu_gemm.SWIGLU,
                               out_dtype=torch.float32)
-    finally:
-        torch.set_num_threads(old)
     gate, up = F.linear(x.float(), w.float()).chunk(2, dim=-1)
     torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-4, atol=1e-4)
 
@@ -281,12 +281,8 @@ def test_prefill_attention_kernel_matches_causal_sdpa(n: int, heads: int, kv_hea
     g = torch.Generator().manual_seed(n + heads + dim)
     qkv = torch.randn(n, heads + 2 * kv_heads, dim, generator=g).bfloat16()
     q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads(threads):
         got = cpu_attention.prefill(lib, q, k, v)
-    finally:
-        torch.set_num_threads(old)
     torch.testing.assert_close(got.float(), cpu_attention.prefill_reference(q, k, v), rtol=2e-2, atol=2e-2)
     # causality: the first token attends to itself alone
     torch.testing.assert_close(got[0].float(), v[0].float().repeat_interleave(heads // kv_heads, dim=0),
