@@ -20,7 +20,7 @@ def declare(lib: ctypes.CDLL) -> None:
                    + [ctypes.c_float, ctypes.c_void_p, ctypes.c_long, ctypes.c_int])
     fn.restype = ctypes.c_int
     fn = lib.ps_prefill_attention_bf16
-    fn.argtypes = ([ctypes.c_void_p, ctypes.c_long] * 3 + [ctypes.c_void_p] + [ctypes.c_long] * 4
+    fn.argtypes = ([ctypes.c_void_p, ctypes.c_long] * 3 + [ctypes.c_void_p] + [ctypes.c_long] * 5
                    + [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int])
     fn.restype = ctypes.c_int
     fn = lib.ps_prefill_attention_scratch
@@ -29,19 +29,20 @@ def declare(lib: ctypes.CDLL) -> None:
 
 
 def prefill(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention of a chunk with no cached prefix: q [L, heads, dim], k/v [L, kv_heads, dim]
-    (bf16; rows may be strided, each row's heads contiguous). Returns [L, heads, dim]."""
+    """Causal attention of a chunk: q [L, heads, dim] for the last L of the k/v [NK, kv_heads, dim]
+    positions (NK - L tokens of cached prefix; bf16; rows may be strided, each row's heads
+    contiguous). Returns [L, heads, dim]."""
     n, heads, dim = q.shape
-    kv_heads = k.shape[1]
+    nk, kv_heads = k.shape[0], k.shape[1]
     q, k, v = (t if t.stride(2) == 1 and t.stride(1) == dim else t.contiguous() for t in (q, k, v))
     pack_elems = ctypes.c_long()
-    per_thread = lib.ps_prefill_attention_scratch(n, heads, kv_heads, dim, ctypes.byref(pack_elems))
+    per_thread = lib.ps_prefill_attention_scratch(nk, heads, kv_heads, dim, ctypes.byref(pack_elems))
     threads = torch.get_num_threads()
     pack = torch.empty(pack_elems.value, dtype=torch.bfloat16)
     scratch = torch.empty(threads * per_thread, dtype=torch.uint8)
     out = torch.empty(n, heads, dim, dtype=q.dtype)
     rc = lib.ps_prefill_attention_bf16(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                                       out.data_ptr(), n, heads, kv_heads, dim, dim**-0.5, pack.data_ptr(),
+                                       out.data_ptr(), n, nk - n, heads, kv_heads, dim, dim**-0.5, pack.data_ptr(),
                                        scratch.data_ptr(), per_thread, threads)
     if rc != 0:
         raise KernelUnavailable(f"prefill attention rejected its arguments (code {rc})")
@@ -49,10 +50,13 @@ def prefill(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
 
 
 def prefill_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """float32 causal attention with GQA: what `prefill` must equal up to rounding."""
+    """float32 causal attention with GQA (queries are the last rows of k/v's positions): what
+    `prefill` must equal up to rounding."""
+    n, nk = q.shape[0], k.shape[0]
+    visible = torch.arange(nk)[None, :] <= (nk - n + torch.arange(n))[:, None]
     o = torch.nn.functional.scaled_dot_product_attention(
         q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None], v.float().transpose(0, 1)[None],
-        is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        attn_mask=visible, enable_gqa=q.shape[1] != k.shape[1])
     return o[0].transpose(0, 1)
 
 
@@ -94,9 +98,9 @@ def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tab
 
 def self_check(lib: ctypes.CDLL) -> None:
     g = torch.Generator().manual_seed(1)
-    for n, heads, kv_heads, dim in ((1, 2, 1, 32), (37, 9, 3, 64), (50, 4, 4, 64)):
-        qkv = torch.randn(n, heads + 2 * kv_heads, dim, generator=g).bfloat16()
-        q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    for n, prefix, heads, kv_heads, dim in ((1, 0, 2, 1, 32), (37, 0, 9, 3, 64), (50, 0, 4, 4, 64), (20, 33, 9, 3, 64)):
+        qkv = torch.randn(prefix + n, heads + 2 * kv_heads, dim, generator=g).bfloat16()
+        q, k, v = qkv[prefix:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
         for threads in (1, 2):
             old = torch.get_num_threads()
             torch.set_num_threads(threads)

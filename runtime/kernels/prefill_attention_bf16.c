@@ -1,4 +1,6 @@
-/* Causal attention for a prompt chunk with no cached prefix (bf16 in, fp32 softmax).
+/* Causal attention for a prompt chunk (bf16 in, fp32 softmax): its L queries sit at positions
+ * offset..offset+L-1 and see keys 0..their own position (a cached prefix of `offset` tokens, then
+ * the chunk itself).
  *
  * Both products go through the matmul's register-blocked core (gemm_block.h): S = Q K^T with K
  * packed as the "weight" (16 keys a tile), then O = P V with V^T packed the same way. One task is
@@ -16,9 +18,9 @@
 
 static long round_up(long x, long m) { return (x + m - 1) / m * m; }
 
-/* Per-thread scratch bytes, and the packed K/V^T size (elements) through *pack_elems. */
-long ps_prefill_attention_scratch(long L, long heads, long kv_heads, long dim, long *pack_elems) {
-    const long group = heads / kv_heads, rows = QB * group, lp = round_up(L, 16);
+/* Per-thread scratch bytes, and the packed K/V^T size (elements) through *pack_elems, for NK keys. */
+long ps_prefill_attention_scratch(long NK, long heads, long kv_heads, long dim, long *pack_elems) {
+    const long group = heads / kv_heads, rows = QB * group, lp = round_up(NK, 16);
     *pack_elems = kv_heads * 2 * lp * dim;
     return 64 + rows * dim * 2 /* q */ + rows * lp * 4 /* scores */ + rows * lp * 2 /* probs */ + rows * dim * 2 /* out */;
 }
@@ -55,23 +57,24 @@ static inline void product(const uint16_t *x, long xs, const uint16_t *wp, long 
         }
 }
 
-/* q [L, heads, dim] (row stride q_row), k/v [L, kv_heads, dim] (row strides), out [L, heads, dim]
- * contiguous. pack: ps_prefill_attention_scratch's pack_elems; scratch: threads x per_thread bytes. */
+/* q [L, heads, dim] (row stride q_row), k/v [offset + L, kv_heads, dim] (row strides), out
+ * [L, heads, dim] contiguous. pack: ps_prefill_attention_scratch(offset + L)'s pack_elems;
+ * scratch: threads x per_thread bytes. */
 int ps_prefill_attention_bf16(const uint16_t *q, long q_row, const uint16_t *k, long k_row, const uint16_t *v,
-                              long v_row, uint16_t *out, long L, long heads, long kv_heads, long dim, float scale,
-                              uint16_t *pack, char *scratch, long per_thread, int threads) {
-    if (dim % 32 || heads % kv_heads || L < 1) return -1;
-    const long group = heads / kv_heads, lp = round_up(L, 16), blocks = (L + QB - 1) / QB;
+                              long v_row, uint16_t *out, long L, long offset, long heads, long kv_heads, long dim,
+                              float scale, uint16_t *pack, char *scratch, long per_thread, int threads) {
+    if (dim % 32 || heads % kv_heads || L < 1 || offset < 0) return -1;
+    const long NK = offset + L, group = heads / kv_heads, lp = round_up(NK, 16), blocks = (L + QB - 1) / QB;
     long need_pack;
-    if (ps_prefill_attention_scratch(L, heads, kv_heads, dim, &need_pack) > per_thread) return -2;
+    if (ps_prefill_attention_scratch(NK, heads, kv_heads, dim, &need_pack) > per_thread) return -2;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #pragma omp for schedule(static)
         for (long i = 0; i < 2 * kv_heads; i++) {
             long h = i / 2;
             uint16_t *dst = pack + i * lp * dim;
-            if (i % 2 == 0) pack_keys(k + h * dim, k_row, L, dim, lp, dst);
-            else pack_values(v + h * dim, v_row, L, dim, lp, dst);
+            if (i % 2 == 0) pack_keys(k + h * dim, k_row, NK, dim, lp, dst);
+            else pack_values(v + h * dim, v_row, NK, dim, lp, dst);
         }
         char *mine = scratch + omp_get_thread_num() * per_thread;
         uint16_t *qbuf = (uint16_t *)mine;
@@ -83,13 +86,13 @@ int ps_prefill_attention_bf16(const uint16_t *q, long q_row, const uint16_t *k, 
         for (long task = 0; task < kv_heads * blocks; task++) {
             const long h = task % kv_heads, qb = blocks - 1 - task / kv_heads;
             const long i0 = qb * QB, i1 = i0 + QB < L ? i0 + QB : L, rows = (i1 - i0) * group;
-            const long nk = i1, nkp = round_up(nk, 2);
+            const long nk = offset + i1, nkp = round_up(nk, 2);
             const uint16_t *kp = pack + (2 * h) * lp * dim, *vp = pack + (2 * h + 1) * lp * dim;
             for (long i = i0; i < i1; i++)
                 memcpy(qbuf + (i - i0) * group * dim, q + i * q_row + h * group * dim, group * dim * 2);
             product(qbuf, dim, kp, 16 * dim, sc, lp, rows, nk, dim, 1);
             for (long r = 0; r < rows; r++) {
-                const long valid = i0 + r / group + 1; /* keys 0..token */
+                const long valid = offset + i0 + r / group + 1; /* keys 0..token */
                 float *s = sc + r * lp;
                 uint16_t *p = probs + r * nkp;
                 __m512 vmx = _mm512_set1_ps(-INFINITY), vs = _mm512_set1_ps(scale);

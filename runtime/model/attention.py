@@ -91,16 +91,15 @@ def paged_attention(
         out[: meta.num_decode] = _decode(q[: meta.num_decode], cache, meta, gqa)
     lib = build.library() if q.device.type == "cpu" and q.dtype == torch.bfloat16 else None
     for seg in meta.prefills:
-        if seg.gather is None and lib is not None:  # no cached prefix: the CPU kernel (2-3x SDPA here)
-            sl = slice(seg.start, seg.start + seg.length)
-            out[sl] = cpu_attention.prefill(lib, q[sl], k[sl], v[sl])
-            continue
-        qs = q[seg.start : seg.start + seg.length].transpose(0, 1).unsqueeze(0)
+        sl = slice(seg.start, seg.start + seg.length)
         if seg.gather is None:
-            ks = k[seg.start : seg.start + seg.length]
-            vs = v[seg.start : seg.start + seg.length]
-        else:
+            ks, vs = k[sl], v[sl]
+        else:  # a cached prefix: all of the context's K/V, from the cache
             ks, vs = cache.read(seg.gather)
+        if lib is not None:  # the CPU kernel (2-3x SDPA here)
+            out[sl] = cpu_attention.prefill(lib, q[sl], ks, vs)
+            continue
+        qs = q[sl].transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(
             qs,
             ks.transpose(0, 1).unsqueeze(0),
