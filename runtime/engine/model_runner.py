@@ -14,6 +14,7 @@ import torch
 from phasesplit.runtime.engine.cuda_graphs import DecodeGraphs
 from phasesplit.runtime.engine.scheduler import ScheduledBatch
 from phasesplit.runtime.engine.sequence import Sequence
+from phasesplit.runtime.kernels import hugepages
 from phasesplit.runtime.model.attention import DECODE_WIDTH_STEP, build_metadata, kernel_decode_available
 from phasesplit.runtime.model.config import ModelConfig
 from phasesplit.runtime.model.llama import LlamaModel, rope_inv_freq
@@ -149,8 +150,11 @@ class ModelRunner:
         # decode steps write their K/V there (cuda_graphs.py).
         use_graphs = self.device.type == "cuda" and os.environ.get("PHASESPLIT_CUDA_GRAPHS", "1") != "0"
         slots = (self.num_blocks + (1 if use_graphs else 0)) * self.block_size
-        self.kv_cache = torch.empty(2, c.num_layers, slots, c.num_kv_heads, c.head_dim, dtype=self.dtype,
-                                    device=self.device)
+        shape = (2, c.num_layers, slots, c.num_kv_heads, c.head_dim)
+        if self.device.type == "cpu":  # decode reads scattered blocks of it: huge pages help the TLB
+            self.kv_cache = hugepages.empty(math.prod(shape), self.dtype).view(shape)
+        else:
+            self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
         self.kv_cache[:, :, 0].zero_()
         self.graphs = None
         if use_graphs:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phasesplit.runtime.kernels import build, cpu_gemm, cpu_norm, cpu_rope
+from phasesplit.runtime.kernels import build, cpu_gemm, cpu_norm, cpu_rope, hugepages
 from phasesplit.runtime.model.attention import AttentionMetadata, LayerCache, layer_caches, paged_attention
 from phasesplit.runtime.model.config import ModelConfig
 
@@ -272,4 +272,20 @@ class LlamaModel(nn.Module):
                 head.weight = nn.Parameter(torch.empty(0, dtype=self.embed.weight.dtype), requires_grad=False)
                 self.tied_head = head
                 counts["cpu_gemm"] = counts.get("cpu_gemm", 0) + 1
+        self._tiled_on_huge_pages()
         return counts
+
+    def _tiled_on_huge_pages(self) -> None:
+        """Move the kernel-laid weights into one block of huge pages (see kernels/hugepages.py):
+        one block, not one per weight, since each allocation rounds up to 2 MiB."""
+        tiled = [m for m in self.modules() if isinstance(m, Linear) and m.tiled is not None]
+        if not tiled:
+            return
+        arena = hugepages.empty(sum(m.tiled.numel() for m in tiled), tiled[0].tiled.dtype)
+        offset = 0
+        for m in tiled:
+            n = m.tiled.numel()
+            view = arena[offset : offset + n].view(m.tiled.shape)
+            view.copy_(m.tiled)
+            m.tiled = view
+            offset += n

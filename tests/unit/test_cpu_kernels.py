@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -289,3 +290,16 @@ def test_prefill_attention_kernel_matches_causal_sdpa(n: int, prefix: int, heads
     if prefix == 0:  # causality: the first token attends to itself alone
         torch.testing.assert_close(got[0].float(), v[0].float().repeat_interleave(heads // kv_heads, dim=0),
                                    rtol=1e-2, atol=1e-2)
+
+
+def test_huge_page_tensors_are_aligned_and_usable() -> None:
+    from phasesplit.runtime.kernels import hugepages
+
+    t = hugepages.empty(3 << 20, torch.bfloat16)  # 6 MiB
+    assert t.numel() == 3 << 20 and t.dtype == torch.bfloat16 and t.is_contiguous()
+    if sys.platform.startswith("linux"):
+        assert t.data_ptr() % hugepages.HUGE_PAGE == 0
+    t.fill_(1.5)
+    assert t.float().sum().item() == 1.5 * (3 << 20)
+    small = hugepages.empty(10, torch.float32)  # below a page: ordinary memory
+    assert small.numel() == 10
