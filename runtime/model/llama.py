@@ -9,6 +9,7 @@ is per-sequence. Projections are fused (qkv, gate+up) to keep the op count per l
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -91,14 +92,14 @@ class Linear(nn.Module):
         gate, up = self(x).chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def pack_for_cpu(self, keep_weight: bool = False, swiglu: bool = False) -> str | None:
+    def pack_for_cpu(self, swiglu: bool = False) -> str | None:
         """Re-lay the bf16 weight once for a faster CPU matmul; returns which layout, or None.
 
         First choice is cpu_gemm's kernel (AVX512-BF16; 2-3x oneDNN at decode batch sizes, 1.1x
         at prefill sizes, measured here), else oneDNN's blocked layout (which, against a plain
         weight, saves the reorder oneDNN otherwise does inside every bf16 matmul: 10-30 %). The
-        plain copy is dropped unless `keep_weight` (a tied LM head shares it with the embedding),
-        so memory does not grow. Kept plain when neither applies or a check fails.
+        plain copy is dropped, so memory does not grow. Kept plain when neither applies or a
+        check fails.
         """
         w = self.weight
         if w.device.type != "cpu" or w.dtype != torch.bfloat16:
@@ -119,7 +120,7 @@ class Linear(nn.Module):
             if not torch.allclose(got.float(), F.linear(probe, w).float(), rtol=2e-2, atol=2e-2):
                 return None
             self.packed, layout = packed, "onednn"
-        if layout and not keep_weight:
+        if layout:
             self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
         return layout
 
@@ -258,22 +259,19 @@ class LlamaModel(nn.Module):
         gets its own re-laid copy (the embedding lookup needs the plain rows): +vocab x hidden
         weights, for a head that is a fifth of SmolLM2's decode step otherwise. Returns how many
         weights took each layout."""
-        counts: dict[str, int] = {}
+        counts: Counter[str] = Counter()
         for layer in self.layers:
             for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
-                layout = m.pack_for_cpu(swiglu=m is layer.gate_up)
-                counts[layout or "plain"] = counts.get(layout or "plain", 0) + 1
+                counts[m.pack_for_cpu(swiglu=m is layer.gate_up) or "plain"] += 1
         if self.lm_head is not None:
-            layout = self.lm_head.pack_for_cpu()
-            counts[layout or "plain"] = counts.get(layout or "plain", 0) + 1
-        if self.lm_head is None:
+            counts[self.lm_head.pack_for_cpu() or "plain"] += 1
+        else:  # packing drops only the head module's own reference; the embedding keeps its rows
             head = Linear.from_weight(self.embed.weight)
-            if head.pack_for_cpu(keep_weight=True) == "cpu_gemm":
-                head.weight = nn.Parameter(torch.empty(0, dtype=self.embed.weight.dtype), requires_grad=False)
+            if head.pack_for_cpu() == "cpu_gemm":
                 self.tied_head = head
-                counts["cpu_gemm"] = counts.get("cpu_gemm", 0) + 1
+                counts["cpu_gemm"] += 1
         self._tiled_on_huge_pages()
-        return counts
+        return dict(counts)
 
     def _tiled_on_huge_pages(self) -> None:
         """Move the kernel-laid weights into one block of huge pages (see kernels/hugepages.py):
