@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from phasesplit.runtime.model.attention import AttentionMetadata
+from phasesplit.runtime.model.attention import AttentionMetadata, decode_gather, decode_tables
 
 log = logging.getLogger(__name__)
 
@@ -61,15 +61,13 @@ def pad_decode(decode: list[tuple[list[int], int]], ids: list[int], batch: int, 
     out = PaddedDecode(ids=np.zeros(batch, np.int64), positions=np.zeros(batch, np.int64),
                        slots=np.full(batch, pad_slot, np.int64), gather=np.zeros((batch, width), np.int64),
                        bias=np.full((batch, 1, width), -np.inf, np.float32))
-    pos = np.arange(width)
-    for i, (table, ctx) in enumerate(decode):
-        blocks = np.asarray(table[: -(-ctx // block_size)], dtype=np.int64)
-        live = pos[:ctx]
-        out.gather[i, :ctx] = blocks[live // block_size] * block_size + live % block_size
-        out.bias[i, 0, :ctx] = 0.0
-        out.slots[i] = out.gather[i, ctx - 1]
-        out.positions[i] = ctx - 1
-        out.ids[i] = ids[i]
+    if n:
+        tables, lens, out.slots[:n] = decode_tables(decode, width, block_size)
+        gather, mask = decode_gather(tables, lens, width, block_size)
+        out.gather[:n] = gather
+        out.bias[:n, 0][mask] = 0.0
+        out.positions[:n] = lens - 1
+        out.ids[:n] = ids
     out.bias[n:, 0, 0] = 0.0
     return out
 

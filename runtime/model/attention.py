@@ -222,6 +222,30 @@ def kernel_decode_available(device: torch.device, dtype: torch.dtype) -> bool:
 DECODE_WIDTH_STEP = 32
 
 
+def decode_tables(decode: list[tuple[list[int], int]], width: int, block_size: int
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Block tables [n, blocks covering `width`], context lengths [n] and the slot of each
+    sequence's new token [n], for (block_table, context_len) pairs. Built with numpy in one pass:
+    per-sequence torch ops cost more than the math here."""
+    lens = np.fromiter((ctx for _, ctx in decode), dtype=np.int64, count=len(decode))
+    tables = np.zeros((len(decode), -(-width // block_size)), dtype=np.int64)
+    for i, (table, _) in enumerate(decode):
+        n = min(len(table), tables.shape[1])
+        tables[i, :n] = table[:n]
+    last = lens - 1
+    return tables, lens, tables[np.arange(len(decode)), last // block_size] * block_size + last % block_size
+
+
+def decode_gather(tables: np.ndarray, lens: np.ndarray, width: int, block_size: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """The slots each sequence attends over, [n, width], and which of them are real ([n, width]
+    bool); padding points at slot 0, which the runner keeps finite."""
+    pos = np.arange(width)
+    mask = pos[None, :] < lens[:, None]
+    gather = np.where(mask, tables[:, pos // block_size] * block_size + pos % block_size, 0)
+    return gather, mask
+
+
 def build_metadata(
     decode: list[tuple[list[int], int]],
     prefill: list[tuple[list[int], int, int]],
@@ -240,32 +264,18 @@ def build_metadata(
     slots: list[int] = []
     meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decode=len(decode), block_size=block_size)
     if decode and paged_kernel:
-        lens = np.fromiter((ctx for _, ctx in decode), dtype=np.int64, count=len(decode))
-        tables = np.zeros((len(decode), -(-int(lens.max()) // block_size)), dtype=np.int64)
-        for i, (table, _) in enumerate(decode):
-            n = min(len(table), tables.shape[1])
-            tables[i, :n] = table[:n]
-        last = lens - 1
-        slots = (tables[np.arange(len(decode)), last // block_size] * block_size + last % block_size).tolist()
+        tables, lens, last_slots = decode_tables(decode, max(ctx for _, ctx in decode), block_size)
+        slots = last_slots.tolist()
         meta.decode_tables, meta.decode_lens = torch.from_numpy(tables), torch.from_numpy(lens)
         meta.decode_max_len = int(lens.max())
     elif decode:
-        # Built with numpy in one pass: per-sequence torch ops cost more than the math here.
         # Rounded up so that the attention matmuls keep one shape for DECODE_WIDTH_STEP steps:
         # oneDNN builds (JIT-compiles) a kernel per bf16 matmul shape, ~0.7 ms each here, which
         # at one new context length per step cost more than the matmuls themselves.
         width = -(-max(ctx for _, ctx in decode) // DECODE_WIDTH_STEP) * DECODE_WIDTH_STEP
-        tables = np.zeros((len(decode), -(-width // block_size)), dtype=np.int64)
-        lens = np.fromiter((ctx for _, ctx in decode), dtype=np.int64, count=len(decode))
-        for i, (table, _) in enumerate(decode):
-            n = min(len(table), tables.shape[1])
-            tables[i, :n] = table[:n]
-        pos = np.arange(width)
-        gather = tables[:, pos // block_size] * block_size + pos % block_size
-        mask = pos[None, :] < lens[:, None]
-        gather = np.where(mask, gather, 0)  # padding reads slot 0, kept finite by the runner
-        last = lens - 1
-        slots = (tables[np.arange(len(decode)), last // block_size] * block_size + last % block_size).tolist()
+        tables, lens, last_slots = decode_tables(decode, width, block_size)
+        slots = last_slots.tolist()
+        gather, mask = decode_gather(tables, lens, width, block_size)
         meta.decode_gather = torch.from_numpy(gather).to(device)
         if not mask.all():  # no padding (every context a multiple of the step): no mask
             bias = np.where(mask, np.float32(0), np.float32(-np.inf))
