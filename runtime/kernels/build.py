@@ -11,6 +11,7 @@ against torch once before anything uses it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -19,6 +20,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
@@ -34,6 +36,19 @@ CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
 
 class KernelUnavailable(RuntimeError):
     pass
+
+
+@contextlib.contextmanager
+def num_threads(n: int) -> Iterator[None]:
+    """torch's (and so the kernels') thread count set to n for a block, then restored."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 def cpu_supported(cpuinfo: str) -> bool:

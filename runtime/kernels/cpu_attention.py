@@ -10,7 +10,7 @@ import ctypes
 
 import torch
 
-from phasesplit.runtime.kernels.build import KernelUnavailable
+from phasesplit.runtime.kernels.build import KernelUnavailable, num_threads
 
 
 def declare(lib: ctypes.CDLL) -> None:
@@ -102,12 +102,8 @@ def self_check(lib: ctypes.CDLL) -> None:
         qkv = torch.randn(prefix + n, heads + 2 * kv_heads, dim, generator=g).bfloat16()
         q, k, v = qkv[prefix:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
         for threads in (1, 2):
-            old = torch.get_num_threads()
-            torch.set_num_threads(threads)
-            try:
+            with num_threads(threads):
                 got = prefill(lib, q, k, v)
-            finally:
-                torch.set_num_threads(old)
             err = (got.float() - prefill_reference(q, k, v)).abs().max().item()
             if not err <= 0.03:
                 raise KernelUnavailable(f"prefill attention self-check failed ({n} tokens, heads {heads}/{kv_heads}: "
@@ -123,12 +119,8 @@ def self_check(lib: ctypes.CDLL) -> None:
         q = torch.randn(len(lens), heads, dim, generator=g).bfloat16()
         want = reference(q, k_cache, v_cache, tables, lens_t, block)
         for threads in (1, 2):
-            old = torch.get_num_threads()
-            torch.set_num_threads(threads)
-            try:
+            with num_threads(threads):
                 got = decode(fn, q, k_cache, v_cache, tables, lens_t, max(lens), block)
-            finally:
-                torch.set_num_threads(old)
             err = (got.float() - want).abs().max().item()
             if not err <= 0.02:
                 raise KernelUnavailable(f"decode attention self-check failed (heads {heads}/{kv_heads}, dim {dim}: "

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import sys
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -15,14 +13,13 @@ from phasesplit.runtime.kernels import build, cpu_gemm
 from phasesplit.runtime.model.llama import Linear
 
 
-@contextlib.contextmanager
-def _threads(n: int) -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
+def _kernels():
+    """The kernel library; None only where this CPU or machine cannot build it (then the
+    caller's test has nothing to check: the torch fallback is tested on its own)."""
+    lib = build.library()
+    if lib is None:
+        assert not _cpu_can_run_kernel(), "the kernels should have built here"
+    return lib
 
 
 def _cpu_can_run_kernel() -> bool:
@@ -47,16 +44,14 @@ def test_library_is_built_where_the_cpu_and_a_compiler_allow_it() -> None:
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 576, 576), (3, 960, 576), (4, 40, 1536), (5, 33, 64),
                                            (8, 17, 34), (33, 576, 576), (130, 48, 96)])
 def test_kernel_matches_float_matmul(m: int, n: int, k: int, threads: int) -> None:
-    lib = build.library()
-    if lib is None:  # no kernel here: the fallback is what the Linear test below checks
-        assert not _cpu_can_run_kernel()
+    if (lib := _kernels()) is None:  # no kernel here: the fallback is what the Linear test below checks
         return
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     w = (torch.randn(n, k, generator=g) * k**-0.5).bfloat16()
     x = torch.randn(m, k, generator=g).bfloat16()
     res = torch.randn(m, n, generator=g).bfloat16()
     packed = cpu_gemm.pack(w)
-    with _threads(threads):
+    with build.num_threads(threads):
         got = cpu_gemm.matmul(lib.ps_gemm_bf16, x, packed, n)
         got_res = cpu_gemm.matmul(lib.ps_gemm_bf16, x, packed, n, residual=res)
         got_f32 = cpu_gemm.matmul(lib.ps_gemm_bf16, x, packed, n, out_dtype=torch.float32)
@@ -113,9 +108,7 @@ def test_build_failure_is_reported_not_raised(tmp_path, monkeypatch: pytest.Monk
 def test_decode_attention_kernel_matches_float_reference(heads: int, kv_heads: int, dim: int, threads: int) -> None:
     from phasesplit.runtime.kernels import cpu_attention
 
-    lib = build.library()
-    if lib is None:
-        assert not _cpu_can_run_kernel()
+    if (lib := _kernels()) is None:
         return
     g = torch.Generator().manual_seed(heads + kv_heads + dim)
     bs, blocks = 16, 64
@@ -126,7 +119,7 @@ def test_decode_attention_kernel_matches_float_reference(heads: int, kv_heads: i
     # q rows strided as in the model (a slice of the q+k heads tensor)
     qk = torch.randn(len(lens), heads + kv_heads, dim, generator=g).bfloat16()
     q = qk[:, :heads]
-    with _threads(threads):
+    with build.num_threads(threads):
         got = cpu_attention.decode(lib.ps_decode_attention_bf16, q, k_cache, v_cache, tables, lens,
                                    int(lens.max()), bs)
     want = cpu_attention.reference(q, k_cache, v_cache, tables, lens, bs)
@@ -139,9 +132,7 @@ def test_decode_attention_kernel_matches_float_reference(heads: int, kv_heads: i
 def test_decode_attention_kernel_refuses_tables_too_short() -> None:
     from phasesplit.runtime.kernels import cpu_attention
 
-    lib = build.library()
-    if lib is None:
-        assert not _cpu_can_run_kernel()
+    if (lib := _kernels()) is None:
         return
     cache = torch.zeros(64, 1, 32).bfloat16()
     with pytest.raises(build.KernelUnavailable, match="rejected"):
@@ -153,14 +144,12 @@ def test_decode_attention_kernel_refuses_tables_too_short() -> None:
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("m", "inter", "k"), [(1, 1536, 576), (4, 16, 64), (7, 48, 34), (70, 32, 128)])
 def test_swiglu_epilogue_matches_silu_times_up(m: int, inter: int, k: int, threads: int) -> None:
-    lib = build.library()
-    if lib is None:
-        assert not _cpu_can_run_kernel()
+    if (lib := _kernels()) is None:
         return
     g = torch.Generator().manual_seed(m + inter + k)
     w = (torch.randn(2 * inter, k, generator=g) * k**-0.5).bfloat16()
     x = (torch.randn(m, k, generator=g) * 3).bfloat16()  # large enough that silu's tails matter
-    with _threads(threads):
+    with build.num_threads(threads):
         got = cpu_gemm.matmul(lib.ps_gemm_bf16, x, cpu_gemm.pack_swiglu(w), 2 * inter, act=cpu_gemm.SWIGLU,
                               out_dtype=torch.float32)
     gate, up = F.linear(x.float(), w.float()).chunk(2, dim=-1)
@@ -210,9 +199,7 @@ def test_rope_kernel_rotates_q_and_k_and_writes_the_cache() -> None:
     from phasesplit.runtime.model.config import ModelConfig
     from phasesplit.runtime.model.llama import LlamaModel, apply_rope, rope_inv_freq
 
-    lib = build.library()
-    if lib is None:
-        assert not _cpu_can_run_kernel()
+    if (lib := _kernels()) is None:
         return
     cfg = ModelConfig(vocab_size=32, hidden_size=576, intermediate_size=64, num_layers=1, num_heads=9,
                       num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_eps=1e-5, max_position=8192,
@@ -238,9 +225,7 @@ def test_rope_kernel_rotates_q_and_k_and_writes_the_cache() -> None:
 def test_argmax_kernel_equals_torch_including_ties() -> None:
     from phasesplit.runtime.kernels import cpu_argmax
 
-    lib = build.library()
-    if lib is None:
-        assert not _cpu_can_run_kernel()
+    if (lib := _kernels()) is None:
         return
     g = torch.Generator().manual_seed(6)
     x = torch.randn(33, 49152, generator=g)
@@ -277,14 +262,12 @@ def test_prefill_attention_kernel_matches_causal_sdpa(n: int, prefix: int, heads
     """Queries at positions prefix..prefix+n-1 over keys 0..their own position."""
     from phasesplit.runtime.kernels import cpu_attention
 
-    lib = build.library()
-    if lib is None:
-        assert not _cpu_can_run_kernel()
+    if (lib := _kernels()) is None:
         return
     g = torch.Generator().manual_seed(n + prefix + heads + dim)
     qkv = torch.randn(prefix + n, heads + 2 * kv_heads, dim, generator=g).bfloat16()
     q, k, v = qkv[prefix:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
-    with _threads(threads):
+    with build.num_threads(threads):
         got = cpu_attention.prefill(lib, q, k, v)
     torch.testing.assert_close(got.float(), cpu_attention.prefill_reference(q, k, v), rtol=2e-2, atol=2e-2)
     if prefix == 0:  # causality: the first token attends to itself alone
