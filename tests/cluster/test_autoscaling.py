@@ -165,8 +165,8 @@ def test_load_step_scales_up_within_two_intervals_and_down_after_the_window(
     # The load step: more than one CPU process serves, so queues and TTFT blow up.
     bench = subprocess.Popen(
         [sys.executable, "-m", "phasesplit.runtime.cli", "bench", "--url", runtime.url, "--model", model,
-         "--workload", "fixed", "--input-len", "192", "--output-len", "16", "--num-prompts", "40",
-         "--request-rate", "4", "--warmup", "0", "--no-progress", "--output-json", str(tmp_path / "bench.json")],
+         "--workload", "fixed", "--input-len", "384", "--output-len", "16", "--num-prompts", "60",
+         "--request-rate", "10", "--warmup", "0", "--no-progress", "--output-json", str(tmp_path / "bench.json")],
         stdout=open(tmp_path / "bench.log", "wb"), stderr=subprocess.STDOUT)
     try:
         # The load starts when the runtime has work (the bench process itself takes a while to start).
