@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.sandbox
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 # GGUF token types (llama.cpp): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
@@ -50,7 +51,10 @@ class TextTokenizer:
         template = cfg.get("chat_template")
         if template is None and (folder / "chat_template.jinja").is_file():
             template = (folder / "chat_template.jinja").read_text()
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=False)
+        # Templates come from model files (GGUF metadata, tokenizer_config.json) that a user may have
+        # downloaded from anywhere: render them sandboxed, as transformers does (cf. CVE-2024-34359).
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                           keep_trailing_newline=False)
         env.globals["raise_exception"] = _raise
         self.template = env.from_string(template) if template else None
 
@@ -72,8 +76,11 @@ class TextTokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if self.template is None:
             raise ValueError("this model has no chat template; use /v1/completions")
-        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except jinja2.TemplateError as e:  # includes the sandbox's SecurityError
+            raise ValueError(f"the chat template cannot render these messages: {e}") from None
 
 
 class IncrementalDecoder:
