@@ -2,6 +2,8 @@
 
 Each worker is a real `phasesplit serve --role ...` process on its own loopback port (as in a
 pod), optionally pinned to its own cores, and all are stopped together on Ctrl-C or SIGTERM.
+A child that exits after start-up is restarted on the same port with a backoff, as a Deployment
+would restart its pod, while the others keep serving; only the user's signal stops everything.
 """
 
 from __future__ import annotations
@@ -46,13 +48,54 @@ def _cpu_sets(n: int) -> list[set[int] | None]:
     return [set(cpus[i * per:(i + 1) * per]) for i in range(n)]
 
 
+# Restart backoff: 1 s after the first exit, doubling per exit that follows quickly, at most 16 s,
+# so a worker killed once is back within seconds and a crash loop does not spin.
+BACKOFF_BASE_S, BACKOFF_CAP_S = 1.0, 16.0
+# A child that served this long before exiting starts the backoff over.
+STABLE_AFTER_S = 60.0
+
+
+def restart_delay(consecutive_exits: int) -> float:
+    """Seconds to wait before restarting a child that has exited `consecutive_exits` times in a row."""
+    return min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** max(0, consecutive_exits - 1))
+
+
+def exit_reason(returncode: int) -> str:
+    """How a child ended, in words (a negative return code is the signal that killed it)."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with status {returncode}"
+
+
 class Child:
     def __init__(self, role: str, argv: list[str], cpus: set[int] | None, url: str) -> None:
         self.role, self.url = role, url
-        cmd = [sys.executable, "-m", "phasesplit.runtime.cli", *argv]
+        self.cmd = [sys.executable, "-m", "phasesplit.runtime.cli", *argv]
         if cpus:
-            cmd[0:0] = ["taskset", "-c", ",".join(map(str, sorted(cpus)))]
-        self.p = subprocess.Popen(cmd, start_new_session=True)
+            self.cmd[0:0] = ["taskset", "-c", ",".join(map(str, sorted(cpus)))]
+        self.exits = 0
+        self.restart_at: float | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.p = subprocess.Popen(self.cmd, start_new_session=True)
+        self.started = time.monotonic()
+        self.restart_at = None
+
+    def supervise(self, now: float) -> None:
+        """Notice an exit and schedule a restart; restart when its backoff has passed."""
+        if self.restart_at is None and self.p.poll() is not None:
+            self.exits = 1 if now - self.started >= STABLE_AFTER_S else self.exits + 1
+            delay = restart_delay(self.exits)
+            self.restart_at = now + delay
+            print(f"[up] {self.role} worker {self.url} (pid {self.p.pid}) {exit_reason(self.p.returncode)}; "
+                  f"restarting in {delay:.0f} s (exit {self.exits} in a row)", file=sys.stderr, flush=True)
+        elif self.restart_at is not None and now >= self.restart_at:
+            self.start()
+            print(f"[up] {self.role} worker {self.url} restarted (pid {self.p.pid})", file=sys.stderr, flush=True)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.p.poll() is None:
@@ -102,22 +145,23 @@ def up(args: argparse.Namespace) -> int:
                 argv += ["--threads", str(len(cpus))]
             children.append(Child(role, argv, cpus, url))
             urls[role].append(url)
-            print(f"[up] {role} worker on {url}" + (f" (cpus {sorted(cpus)})" if cpus else ""), flush=True)
+            print(f"[up] {role} worker on {url} (pid {children[-1].p.pid})"
+                  + (f" (cpus {sorted(cpus)})" if cpus else ""), flush=True)
         if not args.colocated:
             router = ["serve", "--role", "router", "--host", host, "--port", str(args.port), *model, *common,
                       "--prefill-urls", ",".join(urls["prefill"]), "--decode-urls", ",".join(urls["decode"])]
             children.append(Child("router", router, None, f"http://{host}:{args.port}"))
+            print(f"[up] router on http://{host}:{args.port} (pid {children[-1].p.pid})", flush=True)
         endpoint = f"http://{host}:{args.port}"
         _wait_ready(children, endpoint)
         print(f"[up] ready: OpenAI API at {endpoint}/v1 "
               f"({'colocated' if args.colocated else f'{args.prefill} prefill + {args.decode} decode'}); "
               "Ctrl-C stops everything", flush=True)
         while True:
+            now = time.monotonic()
             for c in children:
-                if c.p.poll() is not None:
-                    print(f"[up] {c.role} worker exited with {c.p.returncode}; stopping", file=sys.stderr)
-                    return 1
-            time.sleep(0.5)
+                c.supervise(now)
+            time.sleep(0.25)
     except KeyboardInterrupt:
         print("[up] stopping", flush=True)
         return 0
