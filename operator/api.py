@@ -23,6 +23,8 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from phasesplit.runtime import metric_names
+
 GROUP = "serving.phasesplit.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -453,11 +455,11 @@ class HPATargets(ApiModel):
     """Per-pod metric targets of the HorizontalPodAutoscalers rendered in HPA mode."""
 
     prefill_queue_tokens: int = Field(
-        2048, description="Target average phasesplit_prefill_queue_tokens per prefill pod.", ge=1)
+        2048, description=f"Target average {metric_names.PREFILL_QUEUE_TOKENS} per prefill pod.", ge=1)
     decode_requests_waiting: int = Field(
-        4, description="Target average phasesplit_num_requests_waiting per decode pod.", ge=1)
+        4, description=f"Target average {metric_names.WAITING} per decode pod.", ge=1)
     decode_kv_cache_usage: float = Field(
-        0.8, description="Target average phasesplit_kv_cache_usage_perc (0-1) per decode pod.", gt=0, le=1)
+        0.8, description=f"Target average {metric_names.KV_USAGE} (0-1) per decode pod.", gt=0, le=1)
 
 
 class AutoscalingSpec(ApiModel):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from phasesplit.operator import api
+from phasesplit.runtime import metric_names
 
 MANAGED_BY = "phasesplit-operator"
 APP_NAME = "phasesplit"
@@ -24,10 +25,6 @@ MODEL_MOUNT = "/models"
 RUNTIME_UID = 1000
 VERSION = "0.1.0"
 
-# Runtime metric names the HPAs target (the planner reads the same ones; see DESIGN.md).
-METRIC_PREFILL_QUEUE = "phasesplit_prefill_queue_tokens"
-METRIC_REQUESTS_WAITING = "phasesplit_num_requests_waiting"
-METRIC_KV_USAGE = "phasesplit_kv_cache_usage_perc"
 
 
 @dataclass(frozen=True)
@@ -321,9 +318,9 @@ def _pods_metric(name: str, average: str) -> dict[str, Any]:
 def autoscalers(owner: Owner, spec: api.InferenceServiceSpec) -> list[dict[str, Any]]:
     targets = spec.autoscaling.hpa_targets
     metrics = {
-        "prefill": [_pods_metric(METRIC_PREFILL_QUEUE, str(targets.prefill_queue_tokens))],
-        "decode": [_pods_metric(METRIC_REQUESTS_WAITING, str(targets.decode_requests_waiting)),
-                   _pods_metric(METRIC_KV_USAGE, f"{round(targets.decode_kv_cache_usage * 1000)}m")],
+        "prefill": [_pods_metric(metric_names.PREFILL_QUEUE_TOKENS, str(targets.prefill_queue_tokens))],
+        "decode": [_pods_metric(metric_names.WAITING, str(targets.decode_requests_waiting)),
+                   _pods_metric(metric_names.KV_USAGE, f"{round(targets.decode_kv_cache_usage * 1000)}m")],
     }
     behavior = spec.autoscaling.behavior
     out = []

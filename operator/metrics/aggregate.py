@@ -1,7 +1,7 @@
 """From raw samples of every pod (two scrapes) to the planner's MetricsSnapshot. Pure.
 
-Which series answer which question follows the runtime's metric names (runtime/server/
-metrics.py): latency as the client sees it comes from the router (phase="router"), or from
+Which series answer which question follows the runtime's metric names (runtime/
+metric_names.py): latency as the client sees it comes from the router (phase="router"), or from
 colocated workers (phase="both") when there is no router; work and queues from the phase that
 does the work.
 """
@@ -13,19 +13,18 @@ from dataclasses import dataclass, field
 
 from phasesplit.operator.metrics.histogram import Histogram
 from phasesplit.operator.planner.snapshot import MetricsSnapshot
-
-PREFIX = "phasesplit_"
-TTFT = PREFIX + "time_to_first_token_seconds"
-ITL = PREFIX + "inter_token_latency_seconds"
-E2E = PREFIX + "e2e_request_latency_seconds"
-PROMPT = PREFIX + "prompt_tokens_total"
-GENERATED = PREFIX + "generation_tokens_total"
-SUCCESS = PREFIX + "request_success_total"
-RUNNING = PREFIX + "num_requests_running"
-WAITING = PREFIX + "num_requests_waiting"
-KV_USAGE = PREFIX + "kv_cache_usage_perc"
-QUEUE_TOKENS = PREFIX + "prefill_queue_tokens"
-HISTOGRAMS = (TTFT, ITL, E2E)
+from phasesplit.runtime.metric_names import (
+    GENERATION_TOKENS,
+    ITL,
+    KV_USAGE,
+    PREFILL_QUEUE_TOKENS,
+    PREFIX,
+    PROMPT_TOKENS,
+    RUNNING,
+    SUCCESS,
+    TTFT,
+    WAITING,
+)
 
 
 @dataclass
@@ -112,8 +111,8 @@ def snapshot(prev: Scrape, cur: Scrape, percentile: float,
     ttft = _hist_delta(prev, cur, TTFT, front)
     itl = _hist_delta(prev, cur, ITL, front)
     first_tokens = ttft.count if ttft is not None else None
-    prompt = _counter_delta(prev, cur, PROMPT, prefill)
-    generated = _counter_delta(prev, cur, GENERATED, decode)
+    prompt = _counter_delta(prev, cur, PROMPT_TOKENS, prefill)
+    generated = _counter_delta(prev, cur, GENERATION_TOKENS, decode)
     finished = _counter_delta(prev, cur, SUCCESS, front)
     if finished is None:
         finished = _counter_delta(prev, cur, SUCCESS, decode)
@@ -130,7 +129,7 @@ def snapshot(prev: Scrape, cur: Scrape, percentile: float,
         ttft_mean=ttft.mean() if ttft else None,
         itl_p=itl.quantile(percentile) if itl else None,
         itl_mean=itl.mean() if itl else None,
-        prefill_queue_tokens=_gauge(cur, QUEUE_TOKENS, prefill),
+        prefill_queue_tokens=_gauge(cur, PREFILL_QUEUE_TOKENS, prefill),
         prefill_waiting=_gauge(cur, WAITING, prefill) if prefill != decode else None,
         decode_running=_gauge(cur, RUNNING, decode),
         decode_waiting=_gauge(cur, WAITING, decode),

@@ -12,9 +12,10 @@ import time
 
 import httpx
 
-from phasesplit.operator.metrics import aggregate as names
+from phasesplit.operator.metrics.aggregate import attainment
 from phasesplit.operator.metrics.histogram import Histogram
 from phasesplit.operator.planner.snapshot import MetricsSnapshot
+from phasesplit.runtime import metric_names as names
 
 
 class PrometheusError(RuntimeError):
@@ -41,14 +42,14 @@ def queries(model: str, window_s: float, percentile: float, selector: str = "",
 
     return {
         "request_rate": rate(names.TTFT + "_count", front),
-        "prompt_token_rate": rate(names.PROMPT, prefill),
-        "generation_token_rate": rate(names.GENERATED, decode),
+        "prompt_token_rate": rate(names.PROMPT_TOKENS, prefill),
+        "generation_token_rate": rate(names.GENERATION_TOKENS, decode),
         "finished_rate": rate(names.SUCCESS, decode),
         "ttft_p": quantile(names.TTFT),
         "ttft_mean": mean(names.TTFT),
         "itl_p": quantile(names.ITL),
         "itl_mean": mean(names.ITL),
-        "prefill_queue_tokens": f"sum({names.QUEUE_TOKENS}{sel(prefill)})",
+        "prefill_queue_tokens": f"sum({names.PREFILL_QUEUE_TOKENS}{sel(prefill)})",
         "prefill_waiting": f"sum({names.WAITING}{sel(prefill)})",
         "decode_running": f"sum({names.RUNNING}{sel(decode)})",
         "decode_waiting": f"sum({names.WAITING}{sel(decode)})",
@@ -138,7 +139,7 @@ class PrometheusSource:
             prefill_queue_tokens=v["prefill_queue_tokens"],
             prefill_waiting=v["prefill_waiting"] if prefill != decode else None,
             decode_running=v["decode_running"], decode_waiting=v["decode_waiting"], kv_usage=v["kv_usage"],
-            slo_attainment=names.attainment(hists[0], hists[1], self.slo),
+            slo_attainment=attainment(hists[0], hists[1], self.slo),
             ready_prefill=int(v["ready_prefill"]) if v["ready_prefill"] else None,
             ready_decode=int(v["ready_decode"]) if v["ready_decode"] else None,
             prompt_tokens_mean=(v["prompt_token_rate"] / rate) if rate and v["prompt_token_rate"] is not None else None,

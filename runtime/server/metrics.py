@@ -1,4 +1,4 @@
-"""Prometheus metrics with the names DESIGN.md fixes (prefix phasesplit_, labels model and phase).
+"""Prometheus metrics under the names of runtime/metric_names.py (labels model and phase).
 
 Each server process owns one registry, so several servers (or tests) in one process never clash.
 """
@@ -6,12 +6,16 @@ Each server process owns one registry, so several servers (or tests) in one proc
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from phasesplit.runtime.engine.engine import EngineObserver, LLMEngine
-from phasesplit.runtime.engine.scheduler import ScheduledBatch
-from phasesplit.runtime.engine.sequence import Sequence
+from phasesplit.runtime import metric_names as n
+
+if TYPE_CHECKING:  # the router imports this module and must not load torch
+    from phasesplit.runtime.engine.engine import LLMEngine
+    from phasesplit.runtime.engine.scheduler import ScheduledBatch
+    from phasesplit.runtime.engine.sequence import Sequence
 
 # vLLM's buckets, so dashboards built for it read these the same way.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -29,31 +33,31 @@ class Metrics:
         r = self.registry
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(f"phasesplit_{name}", doc, names, buckets=buckets, registry=r)
+            return Histogram(name, doc, names, buckets=buckets, registry=r)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(f"phasesplit_{name}", doc, names, registry=r)
+            return Counter(name, doc, names, registry=r)
 
-        self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first token", TTFT_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Time between consecutive tokens", ITL_BUCKETS)
-        self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the last token", E2E_BUCKETS)
-        self.queue = hist("request_queue_time_seconds", "Time from arrival to first scheduling", TTFT_BUCKETS)
-        self.kv_transfer = hist("kv_transfer_seconds", "Time to move one request's KV cache", TRANSFER_BUCKETS)
-        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of finished prefills")
-        self.generation_tokens = counter("generation_tokens_total", "Generated tokens")
-        self.prefix_queries = counter("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache")
-        self.prefix_hits = counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache")
-        self.preemptions = counter("num_preemptions_total", "Requests preempted to free KV cache")
-        self.kv_bytes = counter("kv_transfer_bytes_total", "KV cache bytes sent or received")
-        self.local_prefill = counter("local_prefill_total", "Decode-worker requests prefilled locally")
-        self.success = Counter("phasesplit_request_success_total", "Finished requests by reason",
-                               [*names, "finished_reason"], registry=r)
-        self.running = Gauge("phasesplit_num_requests_running", "Requests in the running batch", names, registry=r)
-        self.waiting = Gauge("phasesplit_num_requests_waiting", "Requests waiting to be scheduled", names, registry=r)
-        self.kv_usage = Gauge("phasesplit_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)",
-                              names, registry=r)
-        self.prefill_queue = Gauge("phasesplit_prefill_queue_tokens", "Prompt tokens waiting to be prefilled",
-                                   names, registry=r)
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, names, registry=r)
+
+        self.ttft = hist(n.TTFT, "Time from arrival to the first token", TTFT_BUCKETS)
+        self.itl = hist(n.ITL, "Time between consecutive tokens", ITL_BUCKETS)
+        self.e2e = hist(n.E2E, "Time from arrival to the last token", E2E_BUCKETS)
+        self.queue = hist(n.QUEUE_TIME, "Time from arrival to first scheduling", TTFT_BUCKETS)
+        self.kv_transfer = hist(n.KV_TRANSFER, "Time to move one request's KV cache", TRANSFER_BUCKETS)
+        self.prompt_tokens = counter(n.PROMPT_TOKENS, "Prompt tokens of finished prefills")
+        self.generation_tokens = counter(n.GENERATION_TOKENS, "Generated tokens")
+        self.prefix_queries = counter(n.PREFIX_QUERIES, "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter(n.PREFIX_HITS, "Prompt tokens found in the prefix cache")
+        self.preemptions = counter(n.PREEMPTIONS, "Requests preempted to free KV cache")
+        self.kv_bytes = counter(n.KV_BYTES, "KV cache bytes sent or received")
+        self.local_prefill = counter(n.LOCAL_PREFILL, "Decode-worker requests prefilled locally")
+        self.success = Counter(n.SUCCESS, "Finished requests by reason", [*names, "finished_reason"], registry=r)
+        self.running = gauge(n.RUNNING, "Requests in the running batch")
+        self.waiting = gauge(n.WAITING, "Requests waiting to be scheduled")
+        self.kv_usage = gauge(n.KV_USAGE, "Fraction of KV cache blocks in use (0-1)")
+        self.prefill_queue = gauge(n.PREFILL_QUEUE_TOKENS, "Prompt tokens waiting to be prefilled")
         # Create every labelled series now, so scrapers see zeros instead of missing metrics.
         for metric in (self.ttft, self.itl, self.e2e, self.queue, self.kv_transfer, self.prompt_tokens,
                        self.generation_tokens, self.prefix_queries, self.prefix_hits, self.preemptions,
@@ -73,8 +77,8 @@ class Metrics:
         return metric.labels(**self.labels)
 
 
-class EngineMetrics(EngineObserver):
-    """Feeds engine events into the Prometheus metrics."""
+class EngineMetrics:
+    """Feeds engine events into the Prometheus metrics (an engine.EngineObserver)."""
 
     def __init__(self, metrics: Metrics, engine: LLMEngine) -> None:
         self.m = metrics

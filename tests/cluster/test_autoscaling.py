@@ -28,6 +28,7 @@ import pytest
 from kubernetes import client
 
 from phasesplit.operator import api
+from phasesplit.runtime import metric_names as names
 from tests.integration.test_metrics_prometheus import SCRAPE_S, running_prometheus
 from tests.kubecluster import KubeCluster
 from tests.procs import serve
@@ -147,10 +148,10 @@ def test_load_step_scales_up_within_two_intervals_and_down_after_the_window(
         page = httpx.get(runtime.url + "/metrics", timeout=5).text
         values = {}
         for line in page.splitlines():
-            for key in ("phasesplit_num_requests_waiting{", "phasesplit_num_requests_running{"):
+            for key in (names.WAITING + "{", names.RUNNING + "{"):
                 if line.startswith(key):
                     values[key] = float(line.rsplit(" ", 1)[1])
-        return values.get("phasesplit_num_requests_waiting{", 0.0), values.get("phasesplit_num_requests_running{", 0.0)
+        return values.get(names.WAITING + "{", 0.0), values.get(names.RUNNING + "{", 0.0)
 
     def sample() -> None:
         while not stop.is_set():

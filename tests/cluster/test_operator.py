@@ -30,6 +30,7 @@ import yaml
 from kubernetes import client
 
 from phasesplit.operator import api
+from phasesplit.runtime import metric_names as names
 from tests.kubecluster import KubeCluster
 from tests.unit.test_operator_api import INVALID_SPECS, MINIMAL, merged
 
@@ -365,8 +366,7 @@ def test_updates_drift_and_deletion(operator: Operator, kube_cluster: KubeCluste
     hpa = client.AutoscalingV2Api(kube_cluster.api_client).read_namespaced_horizontal_pod_autoscaler(
         f"{name}-decode", namespace)
     assert hpa.spec.scale_target_ref.name == f"{name}-decode"
-    assert [m.pods.metric.name for m in hpa.spec.metrics] == ["phasesplit_num_requests_waiting",
-                                                              "phasesplit_kv_cache_usage_perc"]
+    assert [m.pods.metric.name for m in hpa.spec.metrics] == [names.WAITING, names.KV_USAGE]
     assert (hpa.spec.min_replicas, hpa.spec.max_replicas) == (1, 4)
     view.wait_ready(name)
     kube_cluster.kubectl("scale", "deployment", f"{name}-decode", "-n", namespace, "--replicas=4")

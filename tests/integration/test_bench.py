@@ -19,6 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from phasesplit.runtime import metric_names as names
+
 pytestmark = pytest.mark.slow
 
 PHASESPLIT = str(Path(sys.executable).with_name("phasesplit"))
@@ -199,7 +201,7 @@ def _generated_tokens(url: str) -> float:
     except httpx.HTTPError:
         return 0.0
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("phasesplit_generation_tokens_total"))
+               if line.startswith(names.GENERATION_TOKENS))
 
 
 def test_interrupt_keeps_partial_results(server, tmp_path):

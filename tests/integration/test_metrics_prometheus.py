@@ -18,6 +18,7 @@ import pytest
 
 from phasesplit.operator.metrics.prometheus import PrometheusSource
 from phasesplit.operator.metrics.scrape import PodScrapeSource
+from phasesplit.runtime import metric_names as names
 from tests.procs import free_port, serve
 
 pytestmark = pytest.mark.slow
@@ -112,7 +113,7 @@ def test_pod_scrape_and_prometheus_see_the_same_window(runtime, prometheus):
     # Prometheus must have a sample from before the load as well, taken after the priming request
     # (the runtime exports every series from start-up, so "the series exists" is not enough).
     deadline = time.monotonic() + 30
-    while prom_series_count(prometheus, f'sum(phasesplit_e2e_request_latency_seconds_count{{model="{model}"}})') < 1:
+    while prom_series_count(prometheus, f'sum({names.E2E}_count{{model="{model}"}})') < 1:
         assert time.monotonic() < deadline, "prometheus never scraped the runtime"
         time.sleep(0.5)
     time.sleep(2 * SCRAPE_S)

@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from phasesplit.runtime import metric_names as names
 from tests.procs import serve
 
 MODEL = "smollm2-135m-instruct"
@@ -117,17 +118,17 @@ def test_disconnect_mid_stream_frees_blocks(server):
         time.sleep(0.1)
     st = state(server.url)
     assert st["allocated_blocks"] == 0 and st["requests"] == 0, st
-    assert metric(server.url, "phasesplit_kv_cache_usage_perc") == 0
+    assert metric(server.url, names.KV_USAGE) == 0
 
 
 def test_prefix_cache_hits_and_same_output(server):
     prefix = "You are a careful assistant. " + " ".join(f"Rule {i}: be precise about item {i}." for i in range(30))
     body = {"model": MODEL, "prompt": prefix + " Question: what is rule 3?", "max_tokens": 16, "temperature": 0}
-    hits0 = metric(server.url, "phasesplit_prefix_cache_hits_total")
+    hits0 = metric(server.url, names.PREFIX_HITS)
     first = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
-    hits1 = metric(server.url, "phasesplit_prefix_cache_hits_total")
+    hits1 = metric(server.url, names.PREFIX_HITS)
     second = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
-    hits2 = metric(server.url, "phasesplit_prefix_cache_hits_total")
+    hits2 = metric(server.url, names.PREFIX_HITS)
     assert hits2 - hits1 >= 200, (hits0, hits1, hits2)
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 200
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
@@ -135,12 +136,9 @@ def test_prefix_cache_hits_and_same_output(server):
 
 def test_metrics_names(server):
     text = httpx.get(server.url + "/metrics").text
-    for name in ["time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
-                 "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket",
-                 "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
-                 "generation_tokens_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
-                 "num_preemptions_total"]:
-        assert re.search(rf'^phasesplit_{name}{{.*model="{MODEL}".*phase="both"', text, re.M), name
+    # Every name the operator may read is exported, histograms with their buckets.
+    for name in [*(h + "_bucket" for h in names.HISTOGRAMS), *names.COUNTERS, *names.GAUGES]:
+        assert re.search(rf'^{name}{{.*model="{MODEL}".*phase="both"', text, re.M), name
 
 
 def test_last_chunk_reports_where_time_went(server):

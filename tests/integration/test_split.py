@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from phasesplit.runtime import metric_names as names
 from phasesplit.runtime.kv.wire import DATA, HEADER_SIZE, Header
 from phasesplit.runtime.model.loader import resolve
 from phasesplit.runtime.model.tokenizer import TextTokenizer
@@ -92,8 +93,8 @@ def test_split_equals_colocated(split, colocated, prompts):
     assert texts(colocated.url, sixteen, 16) == (reference * 2)[:16]
     # The KV really moved: the decode worker received bytes and prefilled nothing locally.
     m = httpx.get(decode.url + "/metrics").text
-    assert float(_sample(m, "phasesplit_kv_transfer_bytes_total")) > 0
-    assert float(_sample(m, "phasesplit_local_prefill_total")) == 0
+    assert float(_sample(m, names.KV_BYTES)) > 0
+    assert float(_sample(m, names.LOCAL_PREFILL)) == 0
     assert wait_no_blocks(decode.url)["allocated_blocks"] == 0
 
 
@@ -120,8 +121,8 @@ def test_router_metrics_include_ttft_itl(split, prompts):
     timing = complete(router.url, prompts[0], max_tokens=4)["phasesplit_timing"]
     assert 0 < timing["kv_transfer_s"] <= timing["prefill_s"]  # the transfer happens inside the prefill
     m = httpx.get(router.url + "/metrics").text
-    assert float(_sample(m, "phasesplit_time_to_first_token_seconds_count", phase="router")) > 0
-    assert float(_sample(m, "phasesplit_inter_token_latency_seconds_count", phase="router")) > 0
+    assert float(_sample(m, names.TTFT + "_count", phase="router")) > 0
+    assert float(_sample(m, names.ITL + "_count", phase="router")) > 0
 
 
 def test_garbage_kv_frames_are_rejected(split, prompts):

@@ -83,7 +83,7 @@ def test_paged_decode_through_the_cpu_kernel_matches_the_gather_path() -> None:
         from phasesplit.runtime.kernels import build
 
         assert build.library() is None
-        return
+        pytest.skip("this CPU lacks AVX512-BF16 or no C compiler is on PATH: the decode kernel cannot run here")
     g = torch.Generator().manual_seed(3)
     heads, kv_heads, dim, bs = 9, 3, 64, 16
     cache = torch.randn(2, 1, 40 * bs, kv_heads, dim, generator=g).bfloat16()

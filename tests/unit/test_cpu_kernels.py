@@ -12,13 +12,16 @@ import torch.nn.functional as F
 from phasesplit.runtime.kernels import build, cpu_gemm
 from phasesplit.runtime.model.llama import Linear
 
+NO_KERNELS = "this CPU lacks AVX512-BF16 or no C compiler is on PATH: the kernels cannot be built here"
+
 
 def _kernels():
-    """The kernel library; None only where this CPU or machine cannot build it (then the
-    caller's test has nothing to check: the torch fallback is tested on its own)."""
+    """The kernel library; the calling test is skipped where this CPU or machine cannot build
+    it (the torch fallback is tested on its own)."""
     lib = build.library()
     if lib is None:
         assert not _cpu_can_run_kernel(), "the kernels should have built here"
+        pytest.skip(NO_KERNELS)
     return lib
 
 
@@ -44,8 +47,7 @@ def test_library_is_built_where_the_cpu_and_a_compiler_allow_it() -> None:
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 576, 576), (3, 960, 576), (4, 40, 1536), (5, 33, 64),
                                            (8, 17, 34), (33, 576, 576), (130, 48, 96)])
 def test_kernel_matches_float_matmul(m: int, n: int, k: int, threads: int) -> None:
-    if (lib := _kernels()) is None:  # no kernel here: the fallback is what the Linear test below checks
-        return
+    lib = _kernels()  # skips where no kernel builds: the Linear test below checks the fallback
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     w = (torch.randn(n, k, generator=g) * k**-0.5).bfloat16()
     x = torch.randn(m, k, generator=g).bfloat16()
@@ -108,8 +110,7 @@ def test_build_failure_is_reported_not_raised(tmp_path, monkeypatch: pytest.Monk
 def test_decode_attention_kernel_matches_float_reference(heads: int, kv_heads: int, dim: int, threads: int) -> None:
     from phasesplit.runtime.kernels import cpu_attention
 
-    if (lib := _kernels()) is None:
-        return
+    lib = _kernels()
     g = torch.Generator().manual_seed(heads + kv_heads + dim)
     bs, blocks = 16, 64
     k_cache = torch.randn(blocks * bs, kv_heads, dim, generator=g).bfloat16()
@@ -132,8 +133,7 @@ def test_decode_attention_kernel_matches_float_reference(heads: int, kv_heads: i
 def test_decode_attention_kernel_refuses_tables_too_short() -> None:
     from phasesplit.runtime.kernels import cpu_attention
 
-    if (lib := _kernels()) is None:
-        return
+    lib = _kernels()
     cache = torch.zeros(64, 1, 32).bfloat16()
     with pytest.raises(build.KernelUnavailable, match="rejected"):
         # 40 tokens need 3 blocks of 16; the table has 2
@@ -144,8 +144,7 @@ def test_decode_attention_kernel_refuses_tables_too_short() -> None:
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("m", "inter", "k"), [(1, 1536, 576), (4, 16, 64), (7, 48, 34), (70, 32, 128)])
 def test_swiglu_epilogue_matches_silu_times_up(m: int, inter: int, k: int, threads: int) -> None:
-    if (lib := _kernels()) is None:
-        return
+    lib = _kernels()
     g = torch.Generator().manual_seed(m + inter + k)
     w = (torch.randn(2 * inter, k, generator=g) * k**-0.5).bfloat16()
     x = (torch.randn(m, k, generator=g) * 3).bfloat16()  # large enough that silu's tails matter
@@ -186,7 +185,7 @@ def test_rms_norm_kernel_matches_hugging_face_arithmetic() -> None:
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
     if lib is None:
         assert not _cpu_can_run_kernel()
-        return
+        pytest.skip(f"the torch path is checked; the kernel itself is not: {NO_KERNELS}")
     # same rounding steps as the reference: at most one bf16 ulp apart, and almost always equal
     direct = cpu_norm.rms_norm(lib.ps_rms_norm_bf16, x, w, 1e-5)
     assert (direct != want).float().mean() < 0.01
@@ -199,8 +198,7 @@ def test_rope_kernel_rotates_q_and_k_and_writes_the_cache() -> None:
     from phasesplit.runtime.model.config import ModelConfig
     from phasesplit.runtime.model.llama import LlamaModel, apply_rope, rope_inv_freq
 
-    if (lib := _kernels()) is None:
-        return
+    lib = _kernels()
     cfg = ModelConfig(vocab_size=32, hidden_size=576, intermediate_size=64, num_layers=1, num_heads=9,
                       num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_eps=1e-5, max_position=8192,
                       tie_embeddings=True)
@@ -225,8 +223,7 @@ def test_rope_kernel_rotates_q_and_k_and_writes_the_cache() -> None:
 def test_argmax_kernel_equals_torch_including_ties() -> None:
     from phasesplit.runtime.kernels import cpu_argmax
 
-    if (lib := _kernels()) is None:
-        return
+    lib = _kernels()
     g = torch.Generator().manual_seed(6)
     x = torch.randn(33, 49152, generator=g)
     x[0, 10] = x[0, 20] = 99.0
@@ -240,7 +237,7 @@ def test_prebuilt_library_loads_without_a_compiler(tmp_path, monkeypatch: pytest
     PHASESPLIT_KERNELS_DIR=DIR and no compiler on PATH."""
     if not _cpu_can_run_kernel():
         assert build.library() is None
-        return
+        pytest.skip(NO_KERNELS)
     assert build.main([str(tmp_path / "prebuilt")]) == 0
     monkeypatch.setenv("PHASESPLIT_KERNELS_DIR", str(tmp_path / "prebuilt"))
     monkeypatch.setenv("PHASESPLIT_CACHE", str(tmp_path / "cache"))
@@ -262,8 +259,7 @@ def test_prefill_attention_kernel_matches_causal_sdpa(n: int, prefix: int, heads
     """Queries at positions prefix..prefix+n-1 over keys 0..their own position."""
     from phasesplit.runtime.kernels import cpu_attention
 
-    if (lib := _kernels()) is None:
-        return
+    lib = _kernels()
     g = torch.Generator().manual_seed(n + prefix + heads + dim)
     qkv = torch.randn(prefix + n, heads + 2 * kv_heads, dim, generator=g).bfloat16()
     q, k, v = qkv[prefix:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]

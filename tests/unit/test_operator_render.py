@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 from phasesplit.operator import api, render
+from phasesplit.runtime import metric_names as names
 
 OWNER = render.Owner(name="chat", namespace="serving", uid="uid-1")
 MINIMAL = {"model": {"name": "smollm2-135m", "builtin": "smollm2"}, "prefill": {"replicas": 1},
@@ -174,11 +175,11 @@ def test_hpa_mode_renders_autoscalers_and_leaves_replicas_to_them():
     prefill = objs[("HorizontalPodAutoscaler", "chat-prefill")]["spec"]
     assert prefill["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "chat-prefill"}
     assert (prefill["minReplicas"], prefill["maxReplicas"]) == (1, 3)
-    assert [m["pods"]["metric"]["name"] for m in prefill["metrics"]] == ["phasesplit_prefill_queue_tokens"]
+    assert [m["pods"]["metric"]["name"] for m in prefill["metrics"]] == [names.PREFILL_QUEUE_TOKENS]
     decode = objs[("HorizontalPodAutoscaler", "chat-decode")]["spec"]
     assert decode["minReplicas"] == 1  # an HPA cannot go to zero
     assert [m["pods"]["metric"]["name"] for m in decode["metrics"]] == [
-        "phasesplit_num_requests_waiting", "phasesplit_kv_cache_usage_perc"]
+        names.WAITING, names.KV_USAGE]
     assert decode["metrics"][1]["pods"]["target"] == {"type": "AverageValue", "averageValue": "750m"}
     assert decode["behavior"]["scaleUp"] == {"stabilizationWindowSeconds": 0, "selectPolicy": "Max",
                                              "policies": [{"type": "Pods", "value": 2, "periodSeconds": 30}]}

@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from phasesplit.operator.metrics.aggregate import Scrape, merge_families, snapshot
 from phasesplit.operator.metrics.histogram import Histogram as H
 from phasesplit.operator.metrics.prometheus import queries
+from phasesplit.runtime import metric_names as names
 
 BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -21,16 +22,16 @@ class Pod:
     def __init__(self, phase: str, model: str = "m"):
         self.r = CollectorRegistry()
         self.labels = {"model": model, "phase": phase}
-        names = ["model", "phase"]
-        self.ttft = Histogram("phasesplit_time_to_first_token_seconds", "", names, buckets=BUCKETS, registry=self.r)
-        self.itl = Histogram("phasesplit_inter_token_latency_seconds", "", names, buckets=BUCKETS, registry=self.r)
-        self.prompt = Counter("phasesplit_prompt_tokens_total", "", names, registry=self.r)
-        self.gen = Counter("phasesplit_generation_tokens_total", "", names, registry=self.r)
-        self.success = Counter("phasesplit_request_success_total", "", [*names, "finished_reason"], registry=self.r)
-        self.running = Gauge("phasesplit_num_requests_running", "", names, registry=self.r)
-        self.waiting = Gauge("phasesplit_num_requests_waiting", "", names, registry=self.r)
-        self.kv = Gauge("phasesplit_kv_cache_usage_perc", "", names, registry=self.r)
-        self.queue = Gauge("phasesplit_prefill_queue_tokens", "", names, registry=self.r)
+        labels = ["model", "phase"]
+        self.ttft = Histogram(names.TTFT, "", labels, buckets=BUCKETS, registry=self.r)
+        self.itl = Histogram(names.ITL, "", labels, buckets=BUCKETS, registry=self.r)
+        self.prompt = Counter(names.PROMPT_TOKENS, "", labels, registry=self.r)
+        self.gen = Counter(names.GENERATION_TOKENS, "", labels, registry=self.r)
+        self.success = Counter(names.SUCCESS, "", [*labels, "finished_reason"], registry=self.r)
+        self.running = Gauge(names.RUNNING, "", labels, registry=self.r)
+        self.waiting = Gauge(names.WAITING, "", labels, registry=self.r)
+        self.kv = Gauge(names.KV_USAGE, "", labels, registry=self.r)
+        self.queue = Gauge(names.PREFILL_QUEUE_TOKENS, "", labels, registry=self.r)
         for g in (self.running, self.waiting, self.kv, self.queue):
             g.labels(**self.labels).set(0)
 
@@ -64,7 +65,7 @@ def test_window_quantile_uses_deltas_not_lifetime():
     snap = snapshot(before, scrape(30, {"r": router}), 0.95)
     assert snap.ttft_p > 1.0 and snap.ttft_mean == pytest.approx(2.0)
     # The lifetime view would have called this window healthy.
-    lifetime = router.page("r").histograms[("phasesplit_time_to_first_token_seconds", "router")]
+    lifetime = router.page("r").histograms[(names.TTFT, "router")]
     assert lifetime.quantile(0.95) < 0.5
 
 
@@ -125,9 +126,9 @@ def test_restarted_pod_counts_from_zero_and_new_pod_counts_whole():
 
 def test_promql_reads_window_quantiles_from_router_buckets():
     q = queries("llama", 30, 0.95, 'namespace="prod"')
-    assert q["ttft_p"] == ('histogram_quantile(0.95, sum by (le) (rate(phasesplit_time_to_first_token_seconds_bucket'
+    assert q["ttft_p"] == (f'histogram_quantile(0.95, sum by (le) (rate({names.TTFT}_bucket'
                            '{model="llama",phase="router",namespace="prod"}[30s])))')
     assert 'phase="prefill"' in q["prompt_token_rate"] and "rate(" in q["prompt_token_rate"]
-    assert q["kv_usage"].startswith("avg(phasesplit_kv_cache_usage_perc{") and 'phase="decode"' in q["kv_usage"]
+    assert q["kv_usage"].startswith(f"avg({names.KV_USAGE}{{") and 'phase="decode"' in q["kv_usage"]
     colocated = queries("llama", 30, 0.95, front="both", prefill="both", decode="both")
     assert 'phase="router"' not in "".join(colocated.values())

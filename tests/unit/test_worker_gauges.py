@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from types import SimpleNamespace
 
+from phasesplit.runtime import metric_names as names
 from phasesplit.runtime.server import launch
 
 
@@ -22,6 +23,6 @@ def test_decode_waiting_gauge_counts_requests_waiting_to_reserve_kv(monkeypatch)
     monkeypatch.setattr(launch, "engine_config", lambda args: None)
     args = argparse.Namespace(model="stub", served_model_name=None)
     _, metrics, _ = launch.build_engine(args, "decode")
-    value = metrics.registry.get_sample_value("phasesplit_num_requests_waiting",
+    value = metrics.registry.get_sample_value(names.WAITING,
                                               {"model": "stub", "phase": "decode"})
     assert value == 3  # one preempted + two waiting for their reservation
