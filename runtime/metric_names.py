@@ -24,6 +24,7 @@ PREFIX_HITS = PREFIX + "prefix_cache_hits_total"
 PREEMPTIONS = PREFIX + "num_preemptions_total"
 KV_BYTES = PREFIX + "kv_transfer_bytes_total"
 LOCAL_PREFILL = PREFIX + "local_prefill_total"
+KV_TRANSFER_FAILURES = PREFIX + "kv_transfer_failures_total"  # failed remote prefill attempts
 SUCCESS = PREFIX + "request_success_total"  # extra label: finished_reason
 
 # Gauges (read from live state at scrape time).
@@ -34,6 +35,14 @@ PREFILL_QUEUE_TOKENS = PREFIX + "prefill_queue_tokens"
 
 HISTOGRAMS = (TTFT, ITL, E2E, QUEUE_TIME, KV_TRANSFER)
 COUNTERS = (PROMPT_TOKENS, GENERATION_TOKENS, PREFIX_QUERIES, PREFIX_HITS, PREEMPTIONS, KV_BYTES,
-            LOCAL_PREFILL, SUCCESS)
+            LOCAL_PREFILL, KV_TRANSFER_FAILURES, SUCCESS)
 GAUGES = (RUNNING, WAITING, KV_USAGE, PREFILL_QUEUE_TOKENS)
 ALL = HISTOGRAMS + COUNTERS + GAUGES
+
+# Histogram bucket bounds (the `le` labels): part of the contract too, since the operator names the
+# bucket an SLO target falls in for the alert rules (phasesplit.operator.telemetry).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

@@ -11,19 +11,12 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from phasesplit.runtime import metric_names as n
+from phasesplit.runtime.metric_names import E2E_BUCKETS, ITL_BUCKETS, TRANSFER_BUCKETS, TTFT_BUCKETS
 
 if TYPE_CHECKING:  # the router imports this module and must not load torch
     from phasesplit.runtime.engine.engine import LLMEngine
     from phasesplit.runtime.engine.scheduler import ScheduledBatch
     from phasesplit.runtime.engine.sequence import Sequence
-
-# vLLM's buckets, so dashboards built for it read these the same way.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
-TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
 
 class Metrics:
     def __init__(self, model: str, phase: str) -> None:
@@ -53,6 +46,8 @@ class Metrics:
         self.preemptions = counter(n.PREEMPTIONS, "Requests preempted to free KV cache")
         self.kv_bytes = counter(n.KV_BYTES, "KV cache bytes sent or received")
         self.local_prefill = counter(n.LOCAL_PREFILL, "Decode-worker requests prefilled locally")
+        self.kv_failures = counter(n.KV_TRANSFER_FAILURES,
+                                   "Remote prefill attempts that failed (refused, timed out or KV stream cut)")
         self.success = Counter(n.SUCCESS, "Finished requests by reason", [*names, "finished_reason"], registry=r)
         self.running = gauge(n.RUNNING, "Requests in the running batch")
         self.waiting = gauge(n.WAITING, "Requests waiting to be scheduled")
@@ -61,7 +56,7 @@ class Metrics:
         # Create every labelled series now, so scrapers see zeros instead of missing metrics.
         for metric in (self.ttft, self.itl, self.e2e, self.queue, self.kv_transfer, self.prompt_tokens,
                        self.generation_tokens, self.prefix_queries, self.prefix_hits, self.preemptions,
-                       self.kv_bytes, self.local_prefill):
+                       self.kv_bytes, self.local_prefill, self.kv_failures):
             self.child(metric)
 
     def bind(self, running: Callable[[], float], waiting: Callable[[], float], kv_usage: Callable[[], float],

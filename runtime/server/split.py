@@ -158,6 +158,7 @@ def build_prefill_app(args: argparse.Namespace) -> FastAPI:
             sent = await asyncio.to_thread(sender.wait, args.prefill_timeout)
         except (TransferFailed, RuntimeError) as e:
             sender.abort()
+            metrics.child(metrics.kv_failures).inc()
             log.warning("prefill of %s failed: %s", rid, e)
             return JSONResponse(error_body(str(e), "server_error"), status_code=502)
         finally:
@@ -255,6 +256,7 @@ class RemotePrefill:
                     await self._attempt(url, rid, st, prompt, params, slots, skip)
                     return
                 except (httpx.HTTPError, TransferFailed, asyncio.TimeoutError, RemoteError) as e:
+                    self.metrics.child(self.metrics.kv_failures).inc()
                     errors.append(f"{url}: {e or type(e).__name__}")
                     log.warning("remote prefill of %s via %s failed: %s", rid, url, e or type(e).__name__)
             why = "; ".join(errors) or "no prefill worker available"

@@ -95,6 +95,7 @@ def test_split_equals_colocated(split, colocated, prompts):
     m = httpx.get(decode.url + "/metrics").text
     assert float(_sample(m, names.KV_BYTES)) > 0
     assert float(_sample(m, names.LOCAL_PREFILL)) == 0
+    assert float(_sample(m, names.KV_TRANSFER_FAILURES)) == 0
     assert wait_no_blocks(decode.url)["allocated_blocks"] == 0
 
 
@@ -203,6 +204,9 @@ def test_fail_policy_gives_error_event(logs, prompts):
         router.wait_ready()
         assert _outcome(router.url, prompts[0]) == "error"
         assert wait_no_blocks(decode.url)["allocated_blocks"] == 0
+        # The failed attempt is counted (the KV transfer failure alert reads this).
+        m = httpx.get(decode.url + "/metrics").text
+        assert float(_sample(m, names.KV_TRANSFER_FAILURES, "decode")) == 1
     finally:
         decode.stop()
         router.stop()
