@@ -17,6 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
                         help="URL to serve the liveness probe on ('' to disable)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    parser.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                        help="serve the operator's Prometheus metrics on this port at /metrics (default 0: off)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,6 +33,11 @@ def run(args: argparse.Namespace) -> int:
     import kopf
 
     from phasesplit.operator import handlers  # registers the handlers on import
+    from phasesplit.operator.telemetry import OperatorTelemetry
+
+    telemetry = OperatorTelemetry()
+    if args.metrics_port:
+        telemetry.serve(args.metrics_port)
 
     kopf.configure(verbose=args.log_level == "debug", debug=args.log_level == "debug")
     logging.getLogger().setLevel(args.log_level.upper())
@@ -40,5 +47,6 @@ def run(args: argparse.Namespace) -> int:
         namespaces=args.namespace,
         liveness_endpoint=args.liveness or None,
         standalone=True,
+        memo=kopf.Memo(telemetry=telemetry),
     ))
     return 0

@@ -173,8 +173,14 @@ def deployments_by_owner(namespace: str, body: kopf.Body, labels: kopf.Labels,
 @kopf.on.resume(*RESOURCE)
 @kopf.on.create(*RESOURCE)
 @kopf.on.update(*RESOURCE)
-def reconcile_service(body: kopf.Body, meta: kopf.Meta, namespace: str, name: str, uid: str,
-                      logger: logging.Logger, deployments_by_owner: kopf.Index, **_: Any) -> None:
+def reconcile_service(memo: kopf.Memo, namespace: str, name: str, **kwargs: Any) -> None:
+    with memo.telemetry.reconciling(namespace, name):
+        _reconcile_service(memo=memo, namespace=namespace, name=name, **kwargs)
+
+
+def _reconcile_service(body: kopf.Body, meta: kopf.Meta, namespace: str, name: str, uid: str,
+                       logger: logging.Logger, deployments_by_owner: kopf.Index, memo: kopf.Memo,
+                       **_: Any) -> None:
     owner = Owner(name=name, namespace=namespace, uid=uid)
     current = copy.deepcopy(dict(body.get("status") or {}))
     emit = _emitter(body)
@@ -185,6 +191,7 @@ def reconcile_service(body: kopf.Body, meta: kopf.Meta, namespace: str, name: st
             # The CRD's schema rejects what pydantic rejects; reaching here means a rule drifted.
             emit("Warning", "InvalidSpec", str(e)[:1000])
             raise kopf.PermanentError(f"invalid spec: {e}") from e
+        memo.telemetry.observe_service(namespace, name, spec)
         replicas = _replicas(spec, current, meta.get("generation"), owner)
         try:
             reconcile.sync_children(kube(), owner, spec, replicas, emit)
@@ -197,7 +204,9 @@ def reconcile_service(body: kopf.Body, meta: kopf.Meta, namespace: str, name: st
 
 
 @kopf.on.delete(*RESOURCE, optional=True)
-def service_deleted(namespace: str, name: str, uid: str, logger: logging.Logger, **_: Any) -> None:
+def service_deleted(namespace: str, name: str, uid: str, logger: logging.Logger, memo: kopf.Memo,
+                    **_: Any) -> None:
+    memo.telemetry.forget(namespace, name)
     _written.pop((namespace, name, uid), None)
     _autoscalers.pop(uid, None)
     # No finalizer: owner references let the garbage collector remove every child.
@@ -267,7 +276,8 @@ def _endpoint_slices(owner: Owner) -> list[dict[str, Any]]:
 
 @kopf.timer(*RESOURCE, interval=AUTOSCALE_TICK_S, initial_delay=AUTOSCALE_TICK_S)
 def autoscale_service(body: kopf.Body, meta: kopf.Meta, namespace: str, name: str, uid: str,
-                      logger: logging.Logger, deployments_by_owner: kopf.Index, **_: Any) -> None:
+                      logger: logging.Logger, deployments_by_owner: kopf.Index, memo: kopf.Memo,
+                      **_: Any) -> None:
     try:
         spec = api.InferenceServiceSpec.model_validate(copy.deepcopy(dict(body["spec"])))
     except ValidationError:
@@ -294,6 +304,7 @@ def autoscale_service(body: kopf.Body, meta: kopf.Meta, namespace: str, name: st
         except ApiException as e:
             logger.warning("listing EndpointSlices failed: %s", reconcile._message(e))
     result = scaler.step(current, slices, now)  # metrics I/O happens outside the lock
+    memo.telemetry.decided(namespace, name, spec.model.name, result.decision, result.snapshot)
     for err in result.errors:
         logger.info("metrics: %s", err)
     emit = _emitter(body)
