@@ -49,7 +49,7 @@ def test_install_yaml_is_accepted_by_the_api_server(kube_cluster: KubeCluster):
     docs = [d for d in yaml.safe_load_all((ROOT / "manifests" / "install.yaml").read_text()) if d]
     kinds = sorted({d["kind"] for d in docs})
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Deployment", "Namespace",
-                     "ServiceAccount"]
+                     "Service", "ServiceAccount"]
     # A server dry run does not create the Namespace, so the namespaced objects need it to exist.
     if kube_cluster.kubectl("get", "namespace", "phasesplit-system", check=False).returncode != 0:
         kube_cluster.kubectl("create", "namespace", "phasesplit-system")

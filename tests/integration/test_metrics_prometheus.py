@@ -10,11 +10,12 @@ import contextlib
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from phasesplit.operator.metrics.prometheus import PrometheusSource
 from phasesplit.operator.metrics.scrape import PodScrapeSource
@@ -36,15 +37,16 @@ def runtime(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def running_prometheus(targets: list[str], workdir: Path) -> Iterator[str]:
-    """The real Prometheus server scraping `targets` (host:port) every SCRAPE_S; yields its URL and
-    stops it on exit."""
+def running_prometheus(targets: list[str], workdir: Path, scrape_configs: list[dict] | None = None,
+                       rule_files: Sequence[Path] = ()) -> Iterator[str]:
+    """The real Prometheus server scraping `targets` (host:port), or the jobs of `scrape_configs`,
+    every SCRAPE_S and evaluating `rule_files` as often; yields its URL and stops it on exit."""
     binary = shutil.which("prometheus")
     assert binary, "the prometheus server is missing: run hack/setup.sh (hack/setup.d/60-prometheus.sh)"
-    listed = ", ".join(f"'{t}'" for t in targets)
-    (workdir / "prometheus.yml").write_text(
-        f"global:\n  scrape_interval: {SCRAPE_S}s\n  evaluation_interval: {SCRAPE_S}s\n"
-        f"scrape_configs:\n  - job_name: phasesplit\n    static_configs:\n      - targets: [{listed}]\n")
+    config = {"global": {"scrape_interval": f"{SCRAPE_S}s", "evaluation_interval": f"{SCRAPE_S}s"},
+              "scrape_configs": scrape_configs or [{"job_name": "phasesplit", "static_configs": [{"targets": targets}]}],
+              "rule_files": [str(p) for p in rule_files]}
+    (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
     log = open(workdir / "prometheus.log", "wb")
     p = subprocess.Popen([binary, f"--config.file={workdir / 'prometheus.yml'}",
