@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 from kubernetes import client
+from prometheus_client.parser import text_string_to_metric_families
 
 from phasesplit.operator import api
 from phasesplit.runtime import metric_names as names
@@ -77,17 +78,19 @@ class Operator:
         self.starts = 0
 
     def start(self) -> None:
-        with socket.socket() as s:
+        with socket.socket() as s, socket.socket() as m:
             s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+            m.bind(("127.0.0.1", 0))
+            port, metrics_port = s.getsockname()[1], m.getsockname()[1]
         self.health = f"http://127.0.0.1:{port}/healthz"
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         env = dict(os.environ, KUBECONFIG=str(self.kubeconfig), PYTHONUNBUFFERED="1")
         out = open(self.log, "a")
         out.write(f"\n===== start {self.starts} =====\n")
         out.flush()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "phasesplit.runtime.cli", "operator", "--liveness", self.health,
-             *[f"--namespace={ns}" for ns in self.namespaces]],
+             f"--metrics-port={metrics_port}", *[f"--namespace={ns}" for ns in self.namespaces]],
             stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         self.starts += 1
         wait_until("the operator's liveness endpoint", self._live, timeout=60)
@@ -109,6 +112,16 @@ class Operator:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        """One sample of the operator's own /metrics (--metrics-port), None when absent."""
+        with urllib.request.urlopen(self.metrics_url, timeout=5) as r:
+            text = r.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and labels.items() <= sample.labels.items():
+                    return sample.value
+        return None
 
     def tail(self, lines: int = 60) -> str:
         return "\n".join(self.log.read_text().splitlines()[-lines:])
@@ -306,6 +319,9 @@ def test_sample_becomes_ready(operator: Operator, kube_cluster: KubeCluster, sam
     assert row[:5] == [name, "True", f"{want['prefill']}/{want['prefill']}", f"{want['decode']}/{want['decode']}",
                        obj["status"]["endpoint"]]
     assert "Created" in view.events(name)
+    # The operator exports the spec's SLO for the alert rules to join the runtime's histograms with.
+    labels = {"namespace": namespace, "inferenceservice": name, "model": spec.model.name, "slo": "ttft"}
+    assert operator.metric("phasesplit_operator_slo_target_seconds", **labels) == api.parse_duration(spec.slo.ttft)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -410,6 +426,13 @@ def test_apply_failure_is_reported_then_recovers(operator: Operator, kube_cluste
     view.apply(isvc(name, merged(MINIMAL, {"decode": {"resources": {"requests": {"cpu": "2"},
                                                                     "limits": {"cpu": "2"}}}})))
     view.wait_ready(name)
+    # The operator's metrics counted the failed reconciles (the reconcile-errors alert reads them).
+    svc = {"namespace": namespace, "inferenceservice": name}
+    errors = operator.metric("phasesplit_operator_reconcile_errors_total", **svc)
+    total = operator.metric("phasesplit_operator_reconcile_total", **svc)
+    print(f"reconciles of {name}: {total} ({errors} failed)")
+    assert errors and errors >= 1 and total and total > errors
+    assert operator.metric("phasesplit_operator_reconcile_duration_seconds_count", **svc) == total
     kube_cluster.kubectl("delete", "psvc", name, "-n", namespace)
 
 

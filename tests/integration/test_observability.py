@@ -43,8 +43,8 @@ RATE_INTERVAL = "2m"  # $__rate_interval: wider than the whole load, so every ra
 EXEMPT = {
     "Replicas: desired vs ready": "kube-state-metrics reads the Deployments from a Kubernetes API server; "
                                   "this test runs the processes without one",
-    "Reconciles / s": "reconciles run in the kopf handlers against an API server (the unit test "
-                      "test_operator_telemetry checks these series)",
+    "Reconciles / s": "reconciles run in the kopf handlers against an API server; "
+                      "tests/cluster/test_operator.py reads these series from a live operator",
     "Reconcile duration": "as Reconciles / s",
 }
 MONITORING_KINDS = ["monitoring.coreos.com/v1/PodMonitor", "monitoring.coreos.com/v1/ServiceMonitor",
