@@ -20,7 +20,7 @@ from prometheus_client.utils import floatToGoString
 
 from phasesplit.operator import api
 from phasesplit.operator.planner import Decision, MetricsSnapshot
-from phasesplit.runtime.metric_names import ITL_BUCKETS, TTFT_BUCKETS
+from phasesplit.runtime import metric_names as n
 
 RECONCILE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _SERVICE = ["namespace", "inferenceservice"]
@@ -41,38 +41,38 @@ def direction(current: int, desired: int) -> str:
 class OperatorTelemetry:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.reconciles = Counter("phasesplit_operator_reconcile_total", "InferenceService reconciles",
+        self.reconciles = Counter(n.OPERATOR_RECONCILES, "InferenceService reconciles",
                                   _SERVICE, registry=r)
-        self.reconcile_errors = Counter("phasesplit_operator_reconcile_errors_total",
+        self.reconcile_errors = Counter(n.OPERATOR_RECONCILE_ERRORS,
                                         "InferenceService reconciles that failed (retried)", _SERVICE, registry=r)
-        self.reconcile_seconds = Histogram("phasesplit_operator_reconcile_duration_seconds",
+        self.reconcile_seconds = Histogram(n.OPERATOR_RECONCILE_SECONDS,
                                            "Time one reconcile took", _SERVICE, buckets=RECONCILE_BUCKETS,
                                            registry=r)
-        self.decisions = Counter("phasesplit_operator_planner_decisions_total",
+        self.decisions = Counter(n.OPERATOR_PLANNER_DECISIONS,
                                  "Planner decisions by phase and direction (up, down, hold)",
                                  [*_MODEL, "phase", "direction"], registry=r)
-        self.desired = Gauge("phasesplit_operator_planner_desired_replicas", "Replicas the planner last decided",
+        self.desired = Gauge(n.OPERATOR_PLANNER_DESIRED, "Replicas the planner last decided",
                              [*_MODEL, "phase"], registry=r)
-        self.predicted = Gauge("phasesplit_operator_planner_predicted_seconds",
+        self.predicted = Gauge(n.OPERATOR_PLANNER_PREDICTED,
                                "The planner's predicted TTFT / ITL at the SLO percentile for its decision",
                                [*_MODEL, "slo"], registry=r)
-        self.observed = Gauge("phasesplit_operator_planner_observed_seconds",
+        self.observed = Gauge(n.OPERATOR_PLANNER_OBSERVED,
                               "TTFT / ITL at the SLO percentile the planner measured in its window",
                               [*_MODEL, "slo"], registry=r)
-        self.stale = Gauge("phasesplit_operator_planner_metrics_stale",
+        self.stale = Gauge(n.OPERATOR_PLANNER_STALE,
                            "1 when the planner's last step had no fresh metrics (it holds the replicas)",
                            _MODEL, registry=r)
-        self.max_replicas = Gauge("phasesplit_operator_max_replicas", "The spec's maxReplicas per phase",
+        self.max_replicas = Gauge(n.OPERATOR_MAX_REPLICAS, "The spec's maxReplicas per phase",
                                   [*_MODEL, "phase"], registry=r)
-        self.slo_target = Gauge("phasesplit_operator_slo_target_seconds", "The spec's TTFT / ITL target",
+        self.slo_target = Gauge(n.OPERATOR_SLO_TARGET, "The spec's TTFT / ITL target",
                                 [*_MODEL, "slo"], registry=r)
-        self.slo_budget = Gauge("phasesplit_operator_slo_error_budget",
+        self.slo_budget = Gauge(n.OPERATOR_SLO_ERROR_BUDGET,
                                 "Fraction of requests the SLO allows over target (1 - percentile)", _MODEL,
                                 registry=r)
-        self.slo_bucket = Gauge("phasesplit_operator_slo_bucket_info",
+        self.slo_bucket = Gauge(n.OPERATOR_SLO_BUCKET,
                                 "1 for the runtime histogram bucket (le) a request must land in to meet the target",
                                 [*_MODEL, "slo", "le"], registry=r)
-        self.deployments = Gauge("phasesplit_operator_deployment_info",
+        self.deployments = Gauge(n.OPERATOR_DEPLOYMENT_INFO,
                                  "1 per child Deployment, naming its phase and model (for kube-state-metrics joins)",
                                  [*_MODEL, "phase", "deployment"], registry=r)
         # Per service: the labelled series it owns, removed when the spec moves them or it is deleted.
@@ -91,8 +91,8 @@ class OperatorTelemetry:
     def observe_service(self, namespace: str, name: str, spec: api.InferenceServiceSpec) -> None:
         """The spec's SLO, bounds and children, as the rules and dashboard read them."""
         base = (namespace, name, spec.model.name)
-        targets = {"ttft": (api.parse_duration(spec.slo.ttft), TTFT_BUCKETS),
-                   "itl": (api.parse_duration(spec.slo.itl), ITL_BUCKETS)}
+        targets = {"ttft": (api.parse_duration(spec.slo.ttft), n.TTFT_BUCKETS),
+                   "itl": (api.parse_duration(spec.slo.itl), n.ITL_BUCKETS)}
         series: set[tuple[Gauge | Counter, tuple[str, ...]]] = set()
         for slo, (target, buckets) in targets.items():
             self.slo_target.labels(*base, slo).set(target)

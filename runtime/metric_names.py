@@ -39,6 +39,23 @@ COUNTERS = (PROMPT_TOKENS, GENERATION_TOKENS, PREFIX_QUERIES, PREFIX_HITS, PREEM
 GAUGES = (RUNNING, WAITING, KV_USAGE, PREFILL_QUEUE_TOKENS)
 ALL = HISTOGRAMS + COUNTERS + GAUGES
 
+# The operator's own metrics (phasesplit.operator.telemetry), labelled namespace, inferenceservice
+# and (but the reconcile ones) model.
+OPERATOR_PREFIX = PREFIX + "operator_"
+OPERATOR_RECONCILES = OPERATOR_PREFIX + "reconcile_total"
+OPERATOR_RECONCILE_ERRORS = OPERATOR_PREFIX + "reconcile_errors_total"
+OPERATOR_RECONCILE_SECONDS = OPERATOR_PREFIX + "reconcile_duration_seconds"
+OPERATOR_PLANNER_DECISIONS = OPERATOR_PREFIX + "planner_decisions_total"
+OPERATOR_PLANNER_DESIRED = OPERATOR_PREFIX + "planner_desired_replicas"
+OPERATOR_PLANNER_PREDICTED = OPERATOR_PREFIX + "planner_predicted_seconds"
+OPERATOR_PLANNER_OBSERVED = OPERATOR_PREFIX + "planner_observed_seconds"
+OPERATOR_PLANNER_STALE = OPERATOR_PREFIX + "planner_metrics_stale"
+OPERATOR_MAX_REPLICAS = OPERATOR_PREFIX + "max_replicas"
+OPERATOR_SLO_TARGET = OPERATOR_PREFIX + "slo_target_seconds"
+OPERATOR_SLO_ERROR_BUDGET = OPERATOR_PREFIX + "slo_error_budget"
+OPERATOR_SLO_BUCKET = OPERATOR_PREFIX + "slo_bucket_info"
+OPERATOR_DEPLOYMENT_INFO = OPERATOR_PREFIX + "deployment_info"
+
 # Histogram bucket bounds (the `le` labels): part of the contract too, since the operator names the
 # bucket an SLO target falls in for the alert rules (phasesplit.operator.telemetry).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

@@ -321,7 +321,7 @@ def test_sample_becomes_ready(operator: Operator, kube_cluster: KubeCluster, sam
     assert "Created" in view.events(name)
     # The operator exports the spec's SLO for the alert rules to join the runtime's histograms with.
     labels = {"namespace": namespace, "inferenceservice": name, "model": spec.model.name, "slo": "ttft"}
-    assert operator.metric("phasesplit_operator_slo_target_seconds", **labels) == api.parse_duration(spec.slo.ttft)
+    assert operator.metric(names.OPERATOR_SLO_TARGET, **labels) == api.parse_duration(spec.slo.ttft)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -428,11 +428,11 @@ def test_apply_failure_is_reported_then_recovers(operator: Operator, kube_cluste
     view.wait_ready(name)
     # The operator's metrics counted the failed reconciles (the reconcile-errors alert reads them).
     svc = {"namespace": namespace, "inferenceservice": name}
-    errors = operator.metric("phasesplit_operator_reconcile_errors_total", **svc)
-    total = operator.metric("phasesplit_operator_reconcile_total", **svc)
+    errors = operator.metric(names.OPERATOR_RECONCILE_ERRORS, **svc)
+    total = operator.metric(names.OPERATOR_RECONCILES, **svc)
     print(f"reconciles of {name}: {total} ({errors} failed)")
     assert errors and errors >= 1 and total and total > errors
-    assert operator.metric("phasesplit_operator_reconcile_duration_seconds_count", **svc) == total
+    assert operator.metric(names.OPERATOR_RECONCILE_SECONDS + "_count", **svc) == total
     kube_cluster.kubectl("delete", "psvc", name, "-n", namespace)
 
 

@@ -11,6 +11,7 @@ from phasesplit.operator import api
 from phasesplit.operator.planner.planner import Decision, PhaseDecision
 from phasesplit.operator.planner.snapshot import MetricsSnapshot
 from phasesplit.operator.telemetry import OperatorTelemetry, slo_bucket
+from phasesplit.runtime import metric_names as names
 from phasesplit.runtime.metric_names import ITL_BUCKETS, TTFT_BUCKETS
 
 
@@ -48,17 +49,17 @@ def test_service_series_follow_the_spec():
     t = OperatorTelemetry()
     t.observe_service("prod", "svc", spec(ttft="300ms", itl="50ms", percentile=95))
     base = {"namespace": "prod", "inferenceservice": "svc", "model": "chat"}
-    assert find(t, "phasesplit_operator_slo_target_seconds", **base, slo="ttft") == [0.3]
-    assert find(t, "phasesplit_operator_slo_bucket_info", **base, slo="ttft", le="0.25") == [1]
-    assert find(t, "phasesplit_operator_slo_bucket_info", **base, slo="itl", le="0.05") == [1]
-    assert find(t, "phasesplit_operator_slo_error_budget", **base) == [pytest.approx(0.05)]
-    assert find(t, "phasesplit_operator_max_replicas", **base, phase="decode") == [5]
-    assert find(t, "phasesplit_operator_deployment_info", **base, phase="prefill", deployment="svc-prefill") == [1]
+    assert find(t, names.OPERATOR_SLO_TARGET, **base, slo="ttft") == [0.3]
+    assert find(t, names.OPERATOR_SLO_BUCKET, **base, slo="ttft", le="0.25") == [1]
+    assert find(t, names.OPERATOR_SLO_BUCKET, **base, slo="itl", le="0.05") == [1]
+    assert find(t, names.OPERATOR_SLO_ERROR_BUDGET, **base) == [pytest.approx(0.05)]
+    assert find(t, names.OPERATOR_MAX_REPLICAS, **base, phase="decode") == [5]
+    assert find(t, names.OPERATOR_DEPLOYMENT_INFO, **base, phase="prefill", deployment="svc-prefill") == [1]
     # A new target moves the bucket: the old `le` series goes, or the rules would see two.
     t.observe_service("prod", "svc", spec(ttft="2s"))
-    assert len(find(t, "phasesplit_operator_slo_bucket_info", **base, slo="ttft")) == 1
-    assert find(t, "phasesplit_operator_slo_bucket_info", **base, slo="ttft", le="2.5") == []
-    assert find(t, "phasesplit_operator_slo_bucket_info", **base, slo="ttft", le="1.0") == [1]
+    assert len(find(t, names.OPERATOR_SLO_BUCKET, **base, slo="ttft")) == 1
+    assert find(t, names.OPERATOR_SLO_BUCKET, **base, slo="ttft", le="2.5") == []
+    assert find(t, names.OPERATOR_SLO_BUCKET, **base, slo="ttft", le="1.0") == [1]
     t.forget("prod", "svc")
     assert not [k for k in samples(t) if ("inferenceservice", "svc") in k[1]]
 
@@ -70,19 +71,19 @@ def test_decisions_count_by_phase_and_direction():
                   predicted_ttft_s=0.4, predicted_itl_s=0.03)
     t.decided("prod", "svc", "chat", up, snap)
     base = {"namespace": "prod", "inferenceservice": "svc", "model": "chat"}
-    assert find(t, "phasesplit_operator_planner_decisions_total", **base, phase="prefill", direction="up") == [1]
-    assert find(t, "phasesplit_operator_planner_decisions_total", **base, phase="decode", direction="hold") == [1]
-    assert find(t, "phasesplit_operator_planner_desired_replicas", **base, phase="prefill") == [2]
-    assert find(t, "phasesplit_operator_planner_predicted_seconds", **base, slo="ttft") == [0.4]
-    assert find(t, "phasesplit_operator_planner_observed_seconds", **base, slo="ttft") == [0.8]
-    assert find(t, "phasesplit_operator_planner_metrics_stale", **base) == [0]
+    assert find(t, names.OPERATOR_PLANNER_DECISIONS, **base, phase="prefill", direction="up") == [1]
+    assert find(t, names.OPERATOR_PLANNER_DECISIONS, **base, phase="decode", direction="hold") == [1]
+    assert find(t, names.OPERATOR_PLANNER_DESIRED, **base, phase="prefill") == [2]
+    assert find(t, names.OPERATOR_PLANNER_PREDICTED, **base, slo="ttft") == [0.4]
+    assert find(t, names.OPERATOR_PLANNER_OBSERVED, **base, slo="ttft") == [0.8]
+    assert find(t, names.OPERATOR_PLANNER_STALE, **base) == [0]
     # A stale step holds: no observation, no prediction, and the counters keep counting.
     held = Decision(PhaseDecision(2, 2, 2, "stale"), PhaseDecision(2, 1, 2, "stale"), stale=True)
     t.decided("prod", "svc", "chat", held, None)
-    assert find(t, "phasesplit_operator_planner_metrics_stale", **base) == [1]
-    assert find(t, "phasesplit_operator_planner_observed_seconds", **base) == []
-    assert find(t, "phasesplit_operator_planner_decisions_total", **base, phase="prefill", direction="up") == [1]
-    assert find(t, "phasesplit_operator_planner_decisions_total", **base, phase="prefill", direction="hold") == [1]
+    assert find(t, names.OPERATOR_PLANNER_STALE, **base) == [1]
+    assert find(t, names.OPERATOR_PLANNER_OBSERVED, **base) == []
+    assert find(t, names.OPERATOR_PLANNER_DECISIONS, **base, phase="prefill", direction="up") == [1]
+    assert find(t, names.OPERATOR_PLANNER_DECISIONS, **base, phase="prefill", direction="hold") == [1]
 
 
 def test_reconciles_are_counted_timed_and_errors_propagate():
@@ -92,6 +93,6 @@ def test_reconciles_are_counted_timed_and_errors_propagate():
     with pytest.raises(RuntimeError), t.reconciling("prod", "svc"):
         raise RuntimeError("apply failed")
     svc = {"namespace": "prod", "inferenceservice": "svc"}
-    assert find(t, "phasesplit_operator_reconcile_total", **svc) == [2]
-    assert find(t, "phasesplit_operator_reconcile_errors_total", **svc) == [1]
-    assert find(t, "phasesplit_operator_reconcile_duration_seconds_count", **svc) == [2]
+    assert find(t, names.OPERATOR_RECONCILES, **svc) == [2]
+    assert find(t, names.OPERATOR_RECONCILE_ERRORS, **svc) == [1]
+    assert find(t, names.OPERATOR_RECONCILE_SECONDS + "_count", **svc) == [2]
