@@ -11,7 +11,7 @@ from fastapi import FastAPI
 
 from phasesplit.runtime.engine.engine import EngineConfig, LLMEngine
 from phasesplit.runtime.engine.model_runner import RunnerConfig
-from phasesplit.runtime.model.loader import ModelError
+from phasesplit.runtime.model.files import ModelError
 from phasesplit.runtime.server.async_engine import AsyncEngine, LocalBackend
 from phasesplit.runtime.server.metrics import EngineMetrics, Metrics
 from phasesplit.runtime.server.openai_api import build_openai_app
@@ -36,9 +36,9 @@ def build_engine(args: argparse.Namespace, phase: str) -> tuple[LLMEngine, Metri
     metrics = Metrics(name, phase)
     engine.observer = EngineMetrics(metrics, engine)
     metrics.bind(running=lambda: len(engine.scheduler.running),
-                 # Split decode workers queue requests for KV before their prefill (remote_waiting):
-                 # those wait for blocks too, which is what the planner reads this gauge for.
-                 waiting=lambda: len(engine.scheduler.waiting) + len(engine.remote_waiting),
+                 # Split decode workers queue requests for KV before their prefill: those wait for
+                 # blocks too, which is what the planner reads this gauge for (engine.num_waiting).
+                 waiting=lambda: engine.num_waiting,
                  kv_usage=lambda: engine.blocks.usage,
                  queue_tokens=lambda: engine.scheduler.waiting_tokens)
     return engine, metrics, name
@@ -48,9 +48,7 @@ def add_debug_routes(app: FastAPI, engine: LLMEngine) -> None:
     @app.get("/debug/state")
     async def state() -> dict:
         """Block and request counts: lets tests and operators see that nothing is stranded."""
-        return {"running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
-                "requests": len(engine.seqs), "allocated_blocks": engine.blocks.num_allocated,
-                "free_blocks": engine.blocks.num_free, "total_blocks": engine.blocks.num_blocks}
+        return engine.state()
 
 
 def build_app(args: argparse.Namespace) -> FastAPI:

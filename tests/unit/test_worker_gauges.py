@@ -6,6 +6,7 @@ import argparse
 from types import SimpleNamespace
 
 from phasesplit.runtime import metric_names as names
+from phasesplit.runtime.engine.engine import LLMEngine
 from phasesplit.runtime.server import launch
 
 
@@ -16,6 +17,8 @@ class _Engine:
         self.scheduler = SimpleNamespace(running=[1, 2, 3], waiting=[4], waiting_tokens=700)
         self.remote_waiting = [5, 6]  # split decode: waiting for KV blocks before their prefill
         self.blocks = SimpleNamespace(usage=0.5)
+
+    num_waiting = LLMEngine.num_waiting  # the engine's own definition, over this state
 
 
 def test_decode_waiting_gauge_counts_requests_waiting_to_reserve_kv(monkeypatch):
