@@ -27,25 +27,15 @@ from phasesplit.runtime.kv.receiver import KVReceiver
 from phasesplit.runtime.kv.sender import TransferFailed
 from phasesplit.runtime.request import RequestError, RequestOutput
 from phasesplit.runtime.server.async_engine import AsyncEngine
-from phasesplit.runtime.server.launch import add_debug_routes, build_engine
 from phasesplit.runtime.server.openai_api import add_common_routes, install_error_handlers
 from phasesplit.runtime.server.protocol import error_body
+from phasesplit.runtime.server.worker import add_debug_routes, build_engine
 
 log = logging.getLogger(__name__)
 
 
 def output_line(out: RequestOutput) -> bytes:
     return (json.dumps(out.to_dict()) + "\n").encode()
-
-
-def build_split_app(args: argparse.Namespace) -> FastAPI:
-    if args.role == "prefill":
-        return build_prefill_app(args)
-    if args.role == "decode":
-        return build_decode_app(args)
-    from phasesplit.runtime.server.router import build_router_app
-
-    return build_router_app(args)
 
 
 def _worker_app(title: str, engine, metrics, aengine: AsyncEngine) -> FastAPI:
