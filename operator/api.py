@@ -232,7 +232,8 @@ class RuntimeSpec(ApiModel):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Device the model runs on (auto: CUDA when a GPU is visible).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weight and activation dtype (auto: bfloat16 on CUDA, float32 on CPU).")
+        "auto", description="Weight and activation dtype (auto: bfloat16 on CUDA and on CPUs with AVX512-BF16, "
+                               "float32 on other CPUs).")
     max_model_len: int | None = Field(None, description="Context length limit in tokens (default: the model's).",
                                       ge=16, le=1048576)
     block_size: int = Field(16, description="Tokens per KV cache block.", ge=1, le=1024)

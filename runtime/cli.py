@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 ROLES = ("both", "prefill", "decode", "router")
-FAILURE_POLICIES = ("retry", "local", "fail", "retry-local")
+FAILURE_POLICIES = ("retry", "local", "fail", "retry-local")  # runtime/disagg/decode.py applies them
 
 
 def parse_bytes(text: str) -> int:
@@ -68,7 +68,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None,
                    help="name clients use in the API (default: derived from --model)")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="auto: bfloat16 on CUDA and on CPUs with AVX512-BF16, else float32")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length limit (default: the model's)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
@@ -82,8 +83,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="turn off prefix caching")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all allowed)")
-    g.add_argument("--no-compile", dest="compile", action="store_false",
-                   help="skip torch.compile / CUDA graphs (faster start, slower steps)")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -138,13 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(up)
 
     # Other subcommands register their own flags. Their cli modules import only argparse at
-    # module level (heavy imports go inside run()) so that `serve` stays fast to start.
+    # module level (heavy imports go inside run()) so that `serve` stays fast to start. They
+    # ship in the same package: a failing import is a bug, raised, not a subcommand dropped.
     for name, module, help_text in _PLUGINS:
-        try:
-            mod = importlib.import_module(module)
-        except ImportError:
-            continue
-        mod.add_arguments(sub.add_parser(name, help=help_text))
+        importlib.import_module(module).add_arguments(sub.add_parser(name, help=help_text))
     return parser
 
 

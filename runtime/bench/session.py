@@ -50,7 +50,7 @@ def normalize_url(url: str) -> str:
 
 def load_local_tokenizer(spec: str) -> HFTokenizer:
     """--tokenizer: a tokenizer.json, a folder holding one, or a model phasesplit can resolve
-    ('smollm2' or a .gguf file), converted locally by the runtime's own loader."""
+    ('smollm2' or a .gguf file), read from its metadata by the runtime (no weights converted)."""
     p = Path(spec).expanduser()
     if p.is_file() and p.suffix == ".json":
         return HFTokenizer(p)
@@ -60,11 +60,11 @@ def load_local_tokenizer(spec: str) -> HFTokenizer:
         raise WorkloadError(f"--tokenizer {spec}: the folder has no tokenizer.json")
     if p.suffix == ".gguf" or spec == "smollm2":
         try:
-            from phasesplit.runtime.model.loader import ModelError, resolve
+            from phasesplit.runtime.model.files import ModelError, model_info
         except ImportError as e:
             raise WorkloadError(f"--tokenizer {spec}: the phasesplit runtime is needed to read it ({e})") from None
         try:
-            return HFTokenizer(resolve(spec).folder / "tokenizer.json")
+            return HFTokenizer(model_info(spec).folder / "tokenizer.json")
         except ModelError as e:
             raise WorkloadError(f"--tokenizer {spec}: {e}") from None
     raise WorkloadError(f"--tokenizer {spec}: expected a tokenizer.json file, a folder with one, or a .gguf file")
@@ -75,7 +75,7 @@ def builtin_tokenizer(model: str, owner: str) -> HFTokenizer | None:
     if owner != "phasesplit":
         return None
     try:
-        from phasesplit.runtime.model.loader import BUILTIN_MODELS
+        from phasesplit.runtime.model.files import BUILTIN_MODELS
     except ImportError:
         return None
     key = next((k for k, (_, _, served) in BUILTIN_MODELS.items() if served == model), None)

@@ -1,35 +1,30 @@
 """The serving engine: requests in, token streams out, one scheduled step at a time.
 
 `LLMEngine` is synchronous and single-threaded by design (the async server drives it from one
-thread). It validates requests, schedules, runs the model, samples, detokenizes, applies stop
-conditions and frees blocks the moment a request ends or is aborted.
+thread). It schedules, runs the model, samples, detokenizes, applies stop conditions and frees
+blocks the moment a request ends or is aborted. Requests are validated once, at the edge of the
+process (`check_request`), not again here.
+
+Split mode adds one thing: a request may be *remote*, its prompt's K/V computed by a prefill
+worker into blocks reserved here. The protocol that fills them lives in runtime/disagg; the
+engine only calls it through `KVConnector` and takes its results (`remote_prefilled`,
+`prefill_locally`, `fail`, `release_blocks`) on the engine thread.
 """
 
 from __future__ import annotations
 
-import itertools
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from phasesplit.runtime.engine.block_manager import BlockManager
 from phasesplit.runtime.engine.model_runner import ModelRunner, RunnerConfig
-from phasesplit.runtime.engine.sampling import Sampler, SamplingParams
+from phasesplit.runtime.engine.sampling import Sampler
 from phasesplit.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from phasesplit.runtime.engine.sequence import Sequence, Status
 from phasesplit.runtime.model.loader import resolve
 from phasesplit.runtime.model.tokenizer import IncrementalDecoder, TextTokenizer
-
-log = logging.getLogger(__name__)
-
-
-class RequestError(ValueError):
-    """A request that can never be served as asked (the server maps it to HTTP 400)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+from phasesplit.runtime.request import RequestError, RequestOutput, SamplingParams
 
 
 @dataclass
@@ -38,20 +33,6 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     prefix_caching: bool = True
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    text: str  # new text since the previous output
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    error: str | None = None  # set when finish_reason is "error"
-    timing: dict[str, float] | None = None  # on the last output: seconds queued, in prefill, decoding
 
 
 class EngineObserver:
@@ -63,11 +44,25 @@ class EngineObserver:
     def on_step(self, batch: ScheduledBatch, seconds: float) -> None: ...
 
 
-class KVExport:
-    """Hooks the prefill worker uses to stream K/V out layer by layer (see server/split.py)."""
+class KVConnector:
+    """What the engine asks of the remote-prefill protocol (runtime/disagg), on the engine thread.
 
-    def begin(self, batch: ScheduledBatch) -> None: ...
-    def layer_done(self, layer: int) -> None: ...
+    Decode worker: `reserved` when a remote request's blocks are reserved (start filling them;
+    False: prefill it here instead), `release` when they are dropped before its K/V arrived
+    (abort, failure, fallback). Prefill worker: `begin_step` per step, returning the per-layer
+    callback that streams the step's new K/V out, or None. The defaults do nothing.
+    """
+
+    def reserved(self, seq: Sequence) -> bool:
+        return True
+
+    def release(self, seq: Sequence) -> bool:
+        """True: the blocks may be freed now. False: a frame is still landing in them; the
+        connector keeps them and hands them back with `LLMEngine.release_blocks` later."""
+        return True
+
+    def begin_step(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
+        return None
 
 
 class _Stream:
@@ -114,22 +109,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.sampler = Sampler()
         self.observer = observer or EngineObserver()
+        self.connector = KVConnector()
         self.eos_ids = set(self.runner.cfg.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
         self.streams: dict[str, _Stream] = {}
         self.outputs_pending: list[RequestOutput] = []
-        # Split mode, decode side: requests whose prompt a prefill worker computes.
-        self.remote_waiting: list[Sequence] = []  # waiting for blocks to reserve
-        self.on_reserved: Callable[[Sequence], None] | None = None
-        # Called when a request's reserved blocks are about to be dropped before its K/V arrived
-        # (abort, failure, local fallback): it must stop the transfer, and returns False when a
-        # frame is still being received into those blocks. They are then held, not freed, until
-        # `release_held(key)` says the frame has ended, so they cannot be handed to another request.
-        self.on_remote_end: Callable[[Sequence, int], bool] | None = None
-        self.held: dict[int, list[int]] = {}  # hold key -> blocks kept for a frame in flight
-        self._hold_keys = itertools.count()
-        # Split mode, prefill side.
-        self.kv_export: KVExport | None = None
+        self.remote_waiting: list[Sequence] = []  # split decode: waiting for blocks to reserve
 
     @property
     def max_model_len(self) -> int:
@@ -138,11 +123,8 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------
 
     def check_request(self, prompt_len: int, params: SamplingParams) -> None:
-        """Raise RequestError for a request that could never complete."""
-        try:
-            params.validate()
-        except ValueError as e:  # messages start with the offending field's name
-            raise RequestError(str(e), str(e).split()[0]) from None
+        """Raise RequestError for a request that could never complete (the process's edge calls it)."""
+        params.validate()
         if prompt_len == 0:
             raise RequestError("the prompt is empty", "prompt")
         total = prompt_len + params.max_tokens
@@ -156,14 +138,20 @@ class LLMEngine:
                 f"{self.blocks.num_blocks * self.blocks.block_size}", "max_tokens")
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    prefill_only: bool = False) -> Sequence:
+                    prefill_only: bool = False, remote: bool = False) -> Sequence:
+        """Queue a checked request. remote: its prompt is prefilled by another worker into
+        blocks reserved here (split decode); prefill_only: stop after the first token (split prefill)."""
         if request_id in self.seqs:
             raise RequestError(f"duplicate request id {request_id!r}")
-        self.check_request(len(prompt_ids), params)
-        seq = Sequence(request_id, list(prompt_ids), params, prefill_only=prefill_only)
+        seq = Sequence(request_id, list(prompt_ids), params, prefill_only=prefill_only,
+                       status=Status.REMOTE_PREFILL if remote else Status.WAITING)
         self.seqs[request_id] = seq
         self.streams[request_id] = _Stream(self.tokenizer, params.stop)
-        self.scheduler.add(seq)
+        if remote:
+            self.remote_waiting.append(seq)
+            self._reserve_remote()
+        else:
+            self.scheduler.add(seq)
         return seq
 
     def abort(self, request_id: str) -> bool:
@@ -178,19 +166,23 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self.outputs_pending) or bool(self.remote_waiting)
 
-    # -- split mode, decode side ----------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for KV blocks: queued or preempted, and (split decode) remote ones
+        not yet reserved. The one definition every state endpoint and gauge reports."""
+        return len(self.scheduler.waiting) + len(self.remote_waiting)
 
-    def add_remote(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        """Accept a request whose prompt another worker prefills into blocks reserved here."""
-        if request_id in self.seqs:
-            raise RequestError(f"duplicate request id {request_id!r}")
-        self.check_request(len(prompt_ids), params)
-        seq = Sequence(request_id, list(prompt_ids), params, status=Status.REMOTE_PREFILL)
-        self.seqs[request_id] = seq
-        self.streams[request_id] = _Stream(self.tokenizer, params.stop)
-        self.remote_waiting.append(seq)
-        self._reserve_remote()
-        return seq
+    def state(self) -> dict[str, int]:
+        """Request and block counts (state endpoints; tests check that nothing is stranded)."""
+        sched = self.scheduler
+        # Prompt tokens still to compute, part-way prompts included: what the router balances on.
+        partial = sum(s.uncomputed for s in sched.running if s.uncomputed > 1)
+        return {"running": len(sched.running), "waiting": self.num_waiting, "requests": len(self.seqs),
+                "waiting_tokens": sched.waiting_tokens, "queued_tokens": sched.waiting_tokens + partial,
+                "allocated_blocks": self.blocks.num_allocated, "free_blocks": self.blocks.num_free,
+                "total_blocks": self.blocks.num_blocks}
+
+    # -- split mode, decode side: results of the remote prefill (runtime/disagg/decode.py) ------
 
     def _reserve_remote(self) -> None:
         while self.remote_waiting and self.blocks.can_allocate(self.remote_waiting[0]):
@@ -198,10 +190,11 @@ class LLMEngine:
             self.blocks.allocate(seq)  # prefix-cache hits here need not be sent
             seq.first_scheduled = time.monotonic()
             self.observer.on_scheduled(seq)
-            if self.on_reserved is not None:
-                self.on_reserved(seq)
+            if not self.connector.reserved(seq):  # computed here after all, from its cached prefix on
+                seq.status = Status.RUNNING
+                self.scheduler.running.append(seq)
 
-    def complete_remote(self, request_id: str, first_token: int, transfer_s: float | None = None) -> bool:
+    def remote_prefilled(self, request_id: str, first_token: int, transfer_s: float | None = None) -> bool:
         """The prompt's K/V arrived: join the running batch with the prefill's first token."""
         seq = self.seqs.get(request_id)
         if seq is None or seq.status is not Status.REMOTE_PREFILL or not seq.block_table:
@@ -215,7 +208,7 @@ class LLMEngine:
         return True
 
     def prefill_locally(self, request_id: str) -> bool:
-        """Fall back to computing the prompt here (a failed or skipped remote prefill)."""
+        """Fall back to computing the prompt here (a failed remote prefill)."""
         seq = self.seqs.get(request_id)
         if seq is None or seq.status is not Status.REMOTE_PREFILL:
             return False
@@ -228,21 +221,17 @@ class LLMEngine:
         return True
 
     def _drop_remote_blocks(self, seq: Sequence) -> None:
-        """Free a remote-prefill sequence's reservation, or hold it while a frame is landing in it."""
-        if seq.block_table and self.on_remote_end is not None:
-            key = next(self._hold_keys)
-            if not self.on_remote_end(seq, key):
-                self.held[key] = seq.block_table
-                seq.block_table = []
-                seq.num_registered = 0
-                return
+        """Free a remote-prefill sequence's reservation, unless a frame is landing in it: then
+        the connector keeps the blocks and returns them through release_blocks."""
+        if seq.block_table and not self.connector.release(seq):
+            seq.block_table = []
+            seq.num_registered = 0
+            return
         self.blocks.free_seq(seq)
 
-    def release_held(self, key: int) -> None:
-        """The frame that was landing in held blocks has ended: they may be reused now."""
-        blocks = self.held.pop(key, None)
-        if blocks is not None:
-            self.blocks.free_blocks(blocks)
+    def release_blocks(self, blocks: list[int]) -> None:
+        """Blocks the connector kept while a frame landed in them: quiet now, reusable."""
+        self.blocks.free_blocks(blocks)
 
     def fail(self, request_id: str, message: str) -> None:
         """End a request with an error the client will see."""
@@ -268,17 +257,13 @@ class LLMEngine:
             if seq.first_scheduled is None:
                 seq.first_scheduled = now
                 self.observer.on_scheduled(seq)
-        after_layer = None
-        if self.kv_export is not None:
-            self.kv_export.begin(batch)
-            after_layer = self.kv_export.layer_done
+        after_layer = self.connector.begin_step(batch)  # split prefill: streams each layer's K/V out
         t0 = time.perf_counter()
         sampled, logits = self.runner.run(batch, after_layer)
         for seq, _ in batch.prefill:
             self.blocks.register_computed(seq)
         banned = [self._banned(s) for s in sampled]
-        tokens = self.sampler.sample(logits, [s.params for s in sampled], [s.request_id for s in sampled], banned,
-                                     [len(s.output_ids) for s in sampled])
+        tokens = self.sampler.sample(logits, [s.params for s in sampled], banned, [len(s.output_ids) for s in sampled])
         now = time.monotonic()
         for seq, token in zip(sampled, tokens, strict=True):
             outputs.append(self._append_token(seq, token, now))
@@ -337,6 +322,7 @@ class LLMEngine:
         ids = [f"offline-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
         results: dict[str, list[int]] = {i: [] for i in ids}
         for rid, prompt, p in zip(ids, prompts, plist, strict=True):
+            self.check_request(len(prompt), p)
             self.add_request(rid, prompt, p)
         while any(rid in self.seqs for rid in ids):
             for out in self.step():
@@ -353,6 +339,3 @@ def _timing(seq: Sequence, now: float) -> dict[str, float]:
     if seq.kv_transfer_s is not None:  # split: the layer-wise transfer overlaps the remote prefill
         t["kv_transfer_s"] = seq.kv_transfer_s
     return t
-
-
-__all__ = ["EngineConfig", "LLMEngine", "RequestError", "RequestOutput", "SamplingParams", "Status"]

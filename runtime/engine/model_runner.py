@@ -15,10 +15,16 @@ from phasesplit.runtime.engine.cuda_graphs import DecodeGraphs
 from phasesplit.runtime.engine.scheduler import ScheduledBatch
 from phasesplit.runtime.engine.sequence import Sequence
 from phasesplit.runtime.kernels import hugepages
-from phasesplit.runtime.model.attention import DECODE_WIDTH_STEP, build_metadata, kernel_decode_available
+from phasesplit.runtime.model.attention import (
+    DECODE_WIDTH_STEP,
+    build_metadata,
+    kernel_decode_available,
+    read_rows,
+)
 from phasesplit.runtime.model.config import ModelConfig
+from phasesplit.runtime.model.files import ModelFiles, read_config
 from phasesplit.runtime.model.llama import LlamaModel, rope_inv_freq
-from phasesplit.runtime.model.loader import ModelFiles, load_weights, read_config
+from phasesplit.runtime.model.loader import load_weights
 
 log = logging.getLogger(__name__)
 
@@ -177,10 +183,6 @@ class ModelRunner:
                  self.num_blocks, self.block_size, self.num_blocks * self.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
 
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, after_layer: Callable[[int], None] | None = None
             ) -> tuple[list[Sequence], torch.Tensor]:
@@ -234,6 +236,12 @@ class ModelRunner:
             torch.tensor(logits_rows, dtype=torch.long, device=dev),
             after_layer,
         )
+
+    def read_kv(self, seq: Sequence, layer: int, begin: int, end: int) -> torch.Tensor:
+        """One layer's K and V of positions [begin, end), copied to the CPU: [2, tokens, kv_heads, head_dim]."""
+        slots = self.slots(seq, begin, end)
+        cache = self.kv_cache
+        return torch.stack((read_rows(cache[0, layer], slots), read_rows(cache[1, layer], slots))).to("cpu")
 
     def slots(self, seq: Sequence, begin: int, end: int) -> torch.Tensor:
         """Flat cache slots of token positions [begin, end) of a sequence."""

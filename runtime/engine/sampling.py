@@ -1,41 +1,11 @@
-"""Sampling parameters and the sampler (greedy, temperature, top-k, top-p, seeds)."""
+"""The sampler (greedy, temperature, top-k, top-p, seeds); its parameters are request.SamplingParams."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 
 from phasesplit.runtime.kernels import build, cpu_argmax
-
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    min_tokens: int = 0
-
-    def validate(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("top_k must be >= 0 (0 turns it off)")
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise ValueError("min_tokens must be between 0 and max_tokens")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+from phasesplit.runtime.request import SamplingParams
 
 
 def token_seed(seed: int, index: int) -> int:
@@ -59,8 +29,8 @@ class Sampler:
         self._gen: dict[torch.device, torch.Generator] = {}
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str],
-               banned: list[list[int]], indices: list[int] | None = None) -> list[int]:
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], banned: list[list[int]],
+               indices: list[int] | None = None) -> list[int]:
         """logits: [rows, vocab] float32. banned[i]: token ids not allowed in row i (min_tokens).
         indices[i]: which output token of its request row i is (0 for the first); default 0."""
         for i, ban in enumerate(banned):

@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from phasesplit.runtime.engine.sampling import SamplingParams
+from phasesplit.runtime.request import SamplingParams
 
 
 class Status(enum.Enum):
@@ -34,7 +34,6 @@ class Sequence:
     last_token_time: float | None = None
     num_preemptions: int = 0
     prefill_only: bool = False  # prefill worker: stop after the first token
-    stop_text: str | None = None  # set when a stop string ends the request
     kv_transfer_s: float | None = None  # split mode: seconds the prompt's K/V took to arrive
 
     @property
@@ -43,10 +42,6 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is Status.FINISHED
 
     @property
     def uncomputed(self) -> int:

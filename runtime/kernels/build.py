@@ -61,7 +61,7 @@ def cpu_supported(cpuinfo: str) -> bool:
 
 
 def _cache_dir() -> Path:
-    from phasesplit.runtime.model.loader import cache_root
+    from phasesplit.runtime.model.files import cache_root
 
     return cache_root() / "kernels"
 

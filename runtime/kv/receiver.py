@@ -76,8 +76,7 @@ class Expected:
 
 
 class KVReceiver:
-    def __init__(self, host: str, port: int, kv_cache: torch.Tensor,
-                 on_bytes: Callable[[int], None] | None = None) -> None:
+    def __init__(self, host: str, port: int, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache  # [2, layers, slots, kv_heads, head_dim]
         self.layers, self.heads, self.dim = kv_cache.shape[1], kv_cache.shape[3], kv_cache.shape[4]
         self.num_slots = kv_cache.shape[2]
@@ -87,7 +86,6 @@ class KVReceiver:
         self._flat: memoryview | None = None
         if kv_cache.device.type == "cpu" and kv_cache.is_contiguous():
             self._flat = memoryview(kv_cache.view(-1).view(torch.uint8).numpy()).cast("B")
-        self.on_bytes = on_bytes or (lambda n: None)
         self.lock = threading.Lock()
         self.transfers: dict[int, Expected] = {}  # accepting frames
         self.draining: dict[int, Expected] = {}  # retired with a frame still in flight
@@ -227,8 +225,6 @@ class KVReceiver:
                 cb()
         if not complete:
             raise FrameError(f"truncated payload ({h.payload_len} bytes announced)")
-        if not dead:  # a frame of a transfer cancelled meanwhile is dropped, the link goes on
-            self.on_bytes(h.payload_len)
 
     def _cache_views(self, layer: int, runs: list[tuple[int, int, int]]) -> list[memoryview]:
         """Where a payload ([2, tokens, heads, dim]: all K rows, then all V rows) goes in the cache."""

@@ -14,8 +14,8 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from phasesplit.runtime.engine.engine import LLMEngine, RequestOutput
-from phasesplit.runtime.engine.sampling import SamplingParams
+from phasesplit.runtime.engine.engine import LLMEngine
+from phasesplit.runtime.request import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +42,10 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        **options: Any) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs. Leaving the iterator early aborts the request."""
+        """Stream one request's outputs (checked already: engine.check_request at the process's
+        edge). Leaving the iterator early aborts the request."""
         if self.error is not None:
             raise EngineDead(f"engine failed: {self.error}")
-        self.engine.check_request(len(prompt_ids), params)  # fail fast, with a 400
         q: asyncio.Queue = asyncio.Queue()
         self.streams[request_id] = (asyncio.get_running_loop(), q)
         self.inbox.put(("add", (request_id, prompt_ids, params, options)))
@@ -68,7 +68,7 @@ class AsyncEngine:
                 self.inbox.put(("abort", request_id))
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> None:
-        """Run fn(engine) on the engine thread (for split-mode hooks)."""
+        """Run fn(engine) on the engine thread (the remote-prefill protocol's results)."""
         self.inbox.put(("call", fn))
 
     def shutdown(self) -> None:
@@ -91,10 +91,7 @@ class AsyncEngine:
             if request_id not in self.streams:  # the client left before the engine saw it
                 return
             try:
-                if options.pop("remote", False):
-                    e.add_remote(request_id, prompt_ids, params)
-                else:
-                    e.add_request(request_id, prompt_ids, params, **options)
+                e.add_request(request_id, prompt_ids, params, **options)
             except Exception as exc:  # a request error must reach its caller, not kill the engine
                 self._deliver(request_id, exc)
         elif kind == "abort":

@@ -4,68 +4,28 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import time
 
 from fastapi import FastAPI
 
-from phasesplit.runtime.engine.engine import EngineConfig, LLMEngine
-from phasesplit.runtime.engine.model_runner import RunnerConfig
-from phasesplit.runtime.model.loader import ModelError
-from phasesplit.runtime.server.async_engine import AsyncEngine, LocalBackend
-from phasesplit.runtime.server.metrics import EngineMetrics, Metrics
-from phasesplit.runtime.server.openai_api import build_openai_app
+from phasesplit.runtime.model.files import ModelError
 
 log = logging.getLogger("phasesplit")
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        runner=RunnerConfig(device=args.device, dtype=args.dtype, block_size=args.block_size,
-                            kv_cache_memory=args.kv_cache_memory, kv_cache_fraction=args.kv_cache_fraction,
-                            max_model_len=args.max_model_len, threads=args.threads),
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        prefix_caching=args.prefix_caching,
-    )
-
-
-def build_engine(args: argparse.Namespace, phase: str) -> tuple[LLMEngine, Metrics, str]:
-    engine = LLMEngine(args.model, engine_config(args))
-    name = args.served_model_name or engine.model_name
-    metrics = Metrics(name, phase)
-    engine.observer = EngineMetrics(metrics, engine)
-    metrics.bind(running=lambda: len(engine.scheduler.running),
-                 # Split decode workers queue requests for KV before their prefill (remote_waiting):
-                 # those wait for blocks too, which is what the planner reads this gauge for.
-                 waiting=lambda: len(engine.scheduler.waiting) + len(engine.remote_waiting),
-                 kv_usage=lambda: engine.blocks.usage,
-                 queue_tokens=lambda: engine.scheduler.waiting_tokens)
-    return engine, metrics, name
-
-
-def add_debug_routes(app: FastAPI, engine: LLMEngine) -> None:
-    @app.get("/debug/state")
-    async def state() -> dict:
-        """Block and request counts: lets tests and operators see that nothing is stranded."""
-        return {"running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
-                "requests": len(engine.seqs), "allocated_blocks": engine.blocks.num_allocated,
-                "free_blocks": engine.blocks.num_free, "total_blocks": engine.blocks.num_blocks}
-
-
 def build_app(args: argparse.Namespace) -> FastAPI:
-    if args.role == "both":
-        engine, metrics, name = build_engine(args, "both")
-        aengine = AsyncEngine(engine)
-        api_key = os.environ.get(args.api_key_env) or None
-        app = build_openai_app(LocalBackend(aengine), name, metrics,
-                               ready=lambda: (aengine.error is None, str(aengine.error or "ok")), api_key=api_key)
-        add_debug_routes(app, engine)
-        app.router.on_shutdown.append(aengine.shutdown)
-        return app
-    from phasesplit.runtime.server.split import build_split_app
+    # Imported per role: the router runs no model and must not load torch.
+    if args.role == "router":
+        from phasesplit.runtime.server.router import build_router_app
 
-    return build_split_app(args)
+        return build_router_app(args)
+    if args.role == "both":
+        from phasesplit.runtime.server.worker import build_colocated_app
+
+        return build_colocated_app(args)
+    from phasesplit.runtime.server.split import build_decode_app, build_prefill_app
+
+    return build_prefill_app(args) if args.role == "prefill" else build_decode_app(args)
 
 
 def serve(args: argparse.Namespace) -> int:

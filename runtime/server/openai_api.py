@@ -18,9 +18,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from phasesplit.runtime.engine.engine import RequestError, RequestOutput
-from phasesplit.runtime.engine.sampling import SamplingParams
 from phasesplit.runtime.model.tokenizer import TextTokenizer
+from phasesplit.runtime.request import RequestError, RequestOutput, SamplingParams
 from phasesplit.runtime.server.metrics import Metrics
 from phasesplit.runtime.server.protocol import (
     ChatChoice,

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from phasesplit.runtime.engine.sampling import SamplingParams
+from phasesplit.runtime.request import SamplingParams
 
 
 class _Request(BaseModel):

@@ -1,9 +1,9 @@
 """The router: the OpenAI API in front of prefill and decode pools.
 
-It tokenizes, validates, picks a decode worker (most free KV blocks, then fewest running) and
-ranks prefill workers (fewest prompt tokens still to prefill, part-way ones included), and relays the decode
-worker's stream. Its TTFT/ITL histograms include queueing and KV transfer: the ones the
-autoscaler reads.
+It tokenizes, validates (the one check of this process), picks a decode worker and ranks prefill
+workers (the rules in routing.py), and relays the decode worker's stream. Its TTFT/ITL
+histograms include queueing and KV transfer: the ones the autoscaler reads. It runs no model:
+it reads only the tokenizer and config (model/files.py) and never imports torch.
 """
 
 from __future__ import annotations
@@ -16,95 +16,27 @@ import os
 import random
 import threading
 import time
-import zlib
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import httpx
 from fastapi import FastAPI
 
-from phasesplit.runtime.engine.engine import RequestError, RequestOutput
-from phasesplit.runtime.engine.sampling import SamplingParams
-from phasesplit.runtime.model.loader import read_config, resolve
+from phasesplit.runtime.disagg.messages import GenerateCall
+from phasesplit.runtime.model.files import ModelFiles, model_info, read_config
 from phasesplit.runtime.model.tokenizer import TextTokenizer
+from phasesplit.runtime.request import RequestError, RequestOutput, SamplingParams
 from phasesplit.runtime.server.metrics import Metrics
 from phasesplit.runtime.server.openai_api import build_openai_app
+from phasesplit.runtime.server.routing import Pool, Worker, pick_decode, rank_prefill
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Worker:
-    url: str
-    up: bool = False
-    free_blocks: int = 0
-    total_blocks: int = 0
-    running: int = 0
-    waiting: int = 0
-    waiting_tokens: int = 0  # prompt tokens of requests not started (the worker's queue gauge)
-    queued_tokens: int = 0  # prompt tokens still to prefill, part-way prompts included
-    inflight: int = 0  # requests this router sent since the last poll: keeps picks spread out
-    last_seen: float = 0.0
-
-
-@dataclass
-class Pool:
-    workers: dict[str, Worker] = field(default_factory=dict)
-
-    def set_urls(self, urls: list[str]) -> None:
-        for u in urls:
-            self.workers.setdefault(u, Worker(u))
-        for u in list(self.workers):
-            if u not in urls:
-                del self.workers[u]
-
-    def live(self) -> list[Worker]:
-        return [w for w in self.workers.values() if w.up]
-
-
-def pick_decode(pool: Pool) -> Worker | None:
-    live = pool.live()
-    if not live:
-        return None
-    return max(live, key=lambda w: (w.free_blocks, -(w.running + w.inflight)))
-
-
-AFFINITY_SLACK_TOKENS = 2048  # how much longer a queue may be and still win on prefix affinity
-
-
-def rank_prefill(pool: Pool, rng: random.Random, prompt: list[int] | None = None,
-                 block_size: int = 16) -> list[Worker]:
-    """Best prefill worker first, the rest as fallbacks.
-
-    Prompts that share their first block go to the same worker (rendezvous hashing), where its
-    prefix cache likely holds them, unless that worker's queue is much longer than the shortest;
-    otherwise the worker with the fewest prompt tokens still to prefill (ties at random). The
-    count includes prompts part-way through prefill: a worker in the middle of a long prompt is
-    busy, though its waiting queue is empty. All workers are compared, not two at random: this
-    router adds what it sends to the count at once, so its own picks do not herd, and two
-    random choices left queues uneven enough to cost a sixth of the prefill pool at the same
-    TTFT in the simulator (docs/autoscaling.md).
-    """
-    live = pool.live()
-    if len(live) <= 1:
-        return live
-    shortest = min(w.queued_tokens for w in live)
-    best = None
-    if prompt is not None and len(prompt) > block_size:
-        key = ",".join(map(str, prompt[:block_size]))
-        home = max(live, key=lambda w: zlib.crc32(f"{w.url}|{key}".encode()))
-        if home.queued_tokens <= shortest + AFFINITY_SLACK_TOKENS:
-            best = home
-    if best is None:
-        best = rng.choice([w for w in live if w.queued_tokens == shortest])
-    return [best] + sorted((w for w in live if w is not best), key=lambda w: w.queued_tokens)
 
 
 class RemoteBackend:
     """The OpenAI layer's backend in split mode: relays to a decode worker."""
 
-    def __init__(self, args: argparse.Namespace, metrics: Metrics) -> None:
-        files = resolve(args.model)
+    def __init__(self, args: argparse.Namespace, files: ModelFiles, metrics: Metrics) -> None:
         self.tokenizer = TextTokenizer(files.folder)
         cfg = read_config(files)
         self.max_model_len = min(args.max_model_len or cfg.max_position, cfg.max_position)
@@ -117,10 +49,7 @@ class RemoteBackend:
         self.poll_interval = 0.5
 
     def check_request(self, prompt_len: int, params: SamplingParams) -> None:
-        try:
-            params.validate()
-        except ValueError as e:
-            raise RequestError(str(e), str(e).split()[0]) from None
+        params.validate()
         if prompt_len + params.max_tokens > self.max_model_len:
             raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens; the "
                                f"request has {prompt_len} prompt tokens plus max_tokens={params.max_tokens}",
@@ -147,22 +76,21 @@ class RemoteBackend:
         w.up, w.last_seen, w.inflight = True, time.monotonic(), 0
         w.free_blocks, w.total_blocks = s["free_blocks"], s["total_blocks"]
         w.running, w.waiting, w.waiting_tokens = s["running"], s["waiting"], s["waiting_tokens"]
-        w.queued_tokens = s.get("queued_tokens", w.waiting_tokens)  # older workers: the queue only
+        w.queued_tokens = s["queued_tokens"]
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
                        ) -> AsyncIterator[RequestOutput]:
         worker = pick_decode(self.decode)
         if worker is None:
             raise RuntimeError("no decode worker is available")
-        prefill = [w.url for w in rank_prefill(self.prefill, self.rng, prompt_ids)]
+        prefill = rank_prefill(self.prefill, self.rng, prompt_ids)
         if prefill:
-            chosen = self.prefill.workers[prefill[0]]
-            chosen.waiting_tokens += len(prompt_ids)
-            chosen.queued_tokens += len(prompt_ids)
+            prefill[0].waiting_tokens += len(prompt_ids)
+            prefill[0].queued_tokens += len(prompt_ids)
         worker.inflight += 1
         m = self.metrics
-        body = {"request_id": request_id, "prompt_ids": prompt_ids, "params": asdict(params),
-                "prefill_urls": prefill}
+        body = GenerateCall(request_id=request_id, prompt_ids=prompt_ids, params=params,
+                            prefill_urls=[w.url for w in prefill]).model_dump(mode="json")
         start = time.monotonic()
         last = None
         try:
@@ -178,7 +106,7 @@ class RemoteBackend:
                     d = json.loads(line)
                     if d.get("error"):
                         raise RuntimeError(d["error"])
-                    out = RequestOutput(**d)
+                    out = RequestOutput.from_dict(d)
                     now = time.monotonic()
                     if out.new_token_ids:
                         if last is None:
@@ -259,9 +187,10 @@ def _own_namespace() -> str:
 
 
 def build_router_app(args: argparse.Namespace) -> FastAPI:
-    name = args.served_model_name or resolve(args.model).name
+    files = model_info(args.model)  # tokenizer and config only: no weights
+    name = args.served_model_name or files.name
     metrics = Metrics(name, "router")
-    backend = RemoteBackend(args, metrics)
+    backend = RemoteBackend(args, files, metrics)
     def kv_usage() -> float:  # the decode pool's, as the router last saw it
         live = backend.decode.live()
         total = sum(w.total_blocks for w in live)

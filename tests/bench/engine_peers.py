@@ -128,7 +128,7 @@ class PhasesplitEngine:
     def load(self) -> None:
         from phasesplit.runtime.engine.engine import EngineConfig, LLMEngine
         from phasesplit.runtime.engine.model_runner import RunnerConfig
-        from phasesplit.runtime.engine.sampling import SamplingParams
+        from phasesplit.runtime.request import SamplingParams
 
         self.SamplingParams = SamplingParams
         self.eng = LLMEngine("smollm2", EngineConfig(runner=RunnerConfig(dtype="bfloat16", kv_cache_memory=1 << 30),
@@ -536,7 +536,7 @@ def server_cold_start(engine: str, log_dir: Path, timeout: float) -> dict:
 def ensure_weights(engine: str) -> str | None:
     """Make the converted weights a peer needs; None when ready, else why not."""
     if engine == "llamacpp" and not F16_GGUF.is_file():
-        from phasesplit.runtime.model.loader import builtin_gguf
+        from phasesplit.runtime.model.files import builtin_gguf
 
         src = builtin_gguf("smollm2")
         F16_GGUF.parent.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,8 @@ import uuid
 import pytest
 from kubernetes import client
 
-from phasesplit.runtime.server.router import Pool, watch_kubernetes
+from phasesplit.runtime.server.router import watch_kubernetes
+from phasesplit.runtime.server.routing import Pool
 
 pytestmark = pytest.mark.cluster
 

@@ -4,7 +4,7 @@ step (the logits are equal bit for bit); the torch path agrees on these tokens t
 
 from phasesplit.runtime.engine.engine import EngineConfig, LLMEngine
 from phasesplit.runtime.engine.model_runner import RunnerConfig
-from phasesplit.runtime.engine.sampling import SamplingParams
+from phasesplit.runtime.request import SamplingParams
 
 
 def _engine(budget: int) -> LLMEngine:

@@ -9,7 +9,7 @@ import torch
 
 from phasesplit.runtime.engine.engine import EngineConfig, LLMEngine
 from phasesplit.runtime.engine.model_runner import RunnerConfig
-from phasesplit.runtime.engine.sampling import SamplingParams
+from phasesplit.runtime.request import SamplingParams
 from tests.prompts import all_prompt_ids
 
 NEW_TOKENS = 32

@@ -5,7 +5,7 @@ import torch
 
 from phasesplit.runtime.engine.engine import EngineConfig, LLMEngine
 from phasesplit.runtime.engine.model_runner import SMALL_DECODE_BATCH, RunnerConfig
-from phasesplit.runtime.engine.sampling import SamplingParams
+from phasesplit.runtime.request import SamplingParams
 
 
 def test_decode_of_few_sequences_runs_single_threaded() -> None:

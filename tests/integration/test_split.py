@@ -251,35 +251,73 @@ def test_reservation_is_held_while_a_frame_lands():
     """A remote request aborted while a K/V frame is still being received into its blocks: the
     blocks stay allocated (no other request can get them) until the receiver reports the frame's
     end, then they are freed. The same holds when the request falls back to a local prefill."""
-    from phasesplit.runtime.engine.engine import EngineConfig, LLMEngine
+    from phasesplit.runtime.engine.engine import EngineConfig, KVConnector, LLMEngine
     from phasesplit.runtime.engine.model_runner import RunnerConfig
-    from phasesplit.runtime.engine.sampling import SamplingParams
+    from phasesplit.runtime.request import SamplingParams
 
     engine = LLMEngine("smollm2", EngineConfig(runner=RunnerConfig(dtype="float32", kv_cache_memory=16 << 20)))
-    landing: dict[str, int] = {}
+    landing: dict[str, list[int]] = {}
 
-    def on_remote_end(seq, key: int) -> bool:
-        landing[seq.request_id] = key
-        return False  # a frame is in flight
+    class FrameInFlight(KVConnector):  # what disagg.decode does while the receiver is busy
+        def release(self, seq) -> bool:
+            landing[seq.request_id] = seq.block_table
+            return False
 
-    engine.on_remote_end = on_remote_end
-    seq = engine.add_remote("a", list(range(1, 70)), SamplingParams(max_tokens=4))
+    engine.connector = FrameInFlight()
+    seq = engine.add_request("a", list(range(1, 70)), SamplingParams(max_tokens=4), remote=True)
     reserved = list(seq.block_table)
     assert reserved and engine.blocks.num_allocated == len(reserved)
     engine.abort("a")
     assert "a" not in engine.seqs
     assert engine.blocks.num_allocated == len(reserved), "held, not freed"
-    other = engine.add_remote("b", list(range(1, 70)), SamplingParams(max_tokens=4))
+    other = engine.add_request("b", list(range(1, 70)), SamplingParams(max_tokens=4), remote=True)
     assert not set(other.block_table) & set(reserved)
-    engine.release_held(landing["a"])
+    engine.release_blocks(landing["a"])
     held = len(other.block_table)
     assert engine.blocks.num_allocated == held
     engine.prefill_locally("b")  # blocks dropped while landing: held apart, the request goes on
     assert not other.block_table and engine.blocks.num_allocated == held
-    engine.release_held(landing["b"])
+    engine.release_blocks(landing["b"])
     assert engine.blocks.num_allocated == 0
-    engine.on_remote_end = None
+    engine.connector = KVConnector()
     out = engine.step()  # computes its prompt here now
     assert out and out[0].request_id == "b"
     engine.abort("b")
     assert engine.blocks.num_allocated == 0
+
+
+def test_local_prefill_threshold_counts_uncached_tokens():
+    """--local-prefill-threshold compares the tokens the decode worker's prefix cache lacks, not
+    the whole prompt: a long prompt whose prefix is cached here is computed here, a long uncached
+    one goes to a prefill worker (its transfer starts), and aborting it frees its reservation."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from phasesplit.runtime.disagg.decode import DecodeConnector
+    from phasesplit.runtime.engine.engine import EngineConfig, LLMEngine
+    from phasesplit.runtime.engine.model_runner import RunnerConfig
+    from phasesplit.runtime.engine.sequence import Status
+    from phasesplit.runtime.request import SamplingParams
+    from phasesplit.runtime.server.metrics import Metrics
+
+    engine = LLMEngine("smollm2", EngineConfig(runner=RunnerConfig(dtype="float32", kv_cache_memory=16 << 20)))
+    metrics = Metrics("m", "decode")
+    loop = asyncio.new_event_loop()  # never run: the transfer is only queued
+    connector = DecodeConnector(SimpleNamespace(engine=engine), None, metrics, kv_host="", prefill_urls=["http://x"],
+                                policy="local", timeout=1.0, local_threshold=20)
+    connector.loop = loop
+    engine.connector = connector
+    prompt = list(range(1, 70))
+    engine.generate([prompt], SamplingParams(max_tokens=1))  # its first 64 tokens are now cached
+    local = engine.add_request("x", prompt + [5], SamplingParams(max_tokens=2), remote=True)
+    assert local.num_computed == 64 and local.status is Status.RUNNING, "70 tokens, 6 uncached: computed here"
+    assert metrics.registry.get_sample_value(names.LOCAL_PREFILL, {"model": "m", "phase": "decode"}) == 1
+    assert not connector.transfers
+    remote = engine.add_request("y", list(range(100, 170)), SamplingParams(max_tokens=2), remote=True)
+    assert remote.status is Status.REMOTE_PREFILL and "y" in connector.transfers
+    engine.abort("y")
+    assert connector.transfers["y"].ended and not remote.block_table
+    while "x" in engine.seqs:
+        engine.step()
+    assert engine.blocks.num_allocated == 0
+    loop.close()

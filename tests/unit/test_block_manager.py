@@ -1,8 +1,8 @@
 """Block manager: reference counts, prefix sharing by chained hashes, LRU eviction."""
 
 from phasesplit.runtime.engine.block_manager import BlockManager
-from phasesplit.runtime.engine.sampling import SamplingParams
 from phasesplit.runtime.engine.sequence import Sequence
+from phasesplit.runtime.request import SamplingParams
 
 
 def seq(rid: str, tokens: list[int]) -> Sequence:

@@ -2,7 +2,7 @@
 
 import random
 
-from phasesplit.runtime.server.router import AFFINITY_SLACK_TOKENS, Pool, Worker, pick_decode, rank_prefill
+from phasesplit.runtime.server.routing import AFFINITY_SLACK_TOKENS, Pool, Worker, pick_decode, rank_prefill
 
 
 def pool(*workers: Worker) -> Pool:
@@ -45,3 +45,56 @@ def test_prefill_counts_part_way_prompts_as_busy():
     idle = pool(*(Worker(f"w{i}", True) for i in range(3)))
     rng = random.Random(0)
     assert len({rank_prefill(idle, rng)[0].url for _ in range(30)}) == 3
+
+
+def test_pool_can_be_iterated_while_discovery_changes_it():
+    """The discovery thread sets URLs while the event loop iterates the pool (polls, picks,
+    gauges): iteration must never see the mapping change under it."""
+    import threading
+
+    p = Pool()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def discover() -> None:
+        i = 0
+        while not stop.is_set():
+            p.set_urls([f"http://w{j}" for j in range(i % 50)])
+            i += 1
+
+    t = threading.Thread(target=discover)
+    t.start()
+    try:
+        for _ in range(20000):
+            try:
+                for w in p.workers.values():
+                    w.up = True
+                p.live()
+                pick_decode(p)
+            except RuntimeError as e:  # "dictionary changed size during iteration"
+                errors.append(e)
+                break
+    finally:
+        stop.set()
+        t.join()
+    assert not errors, errors
+
+
+def test_set_urls_keeps_known_workers_and_drops_gone_ones():
+    p = Pool()
+    p.set_urls(["http://a", "http://b"])
+    a = p.workers["http://a"]
+    a.up, a.free_blocks = True, 7
+    p.set_urls(["http://a", "http://c"])
+    assert list(p.workers) == ["http://a", "http://c"] and p.workers["http://a"] is a
+
+
+def test_router_process_does_not_import_torch():
+    import subprocess
+    import sys
+
+    # The modules `phasesplit serve --role router` goes through, from the command line to the app.
+    code = ("import sys, phasesplit.runtime.cli, phasesplit.runtime.server.launch, phasesplit.runtime.server.router; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

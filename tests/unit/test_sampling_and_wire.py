@@ -3,28 +3,29 @@
 import pytest
 import torch
 
-from phasesplit.runtime.engine.sampling import Sampler, SamplingParams
+from phasesplit.runtime.engine.sampling import Sampler
 from phasesplit.runtime.kv.wire import DATA, DONE, HEADER_SIZE, FrameError, Header, data_frame, payload_tensor
+from phasesplit.runtime.request import SamplingParams
 
 
 def test_greedy_top_k_top_p_and_seed():
     logits = torch.tensor([[0.0, 5.0, 1.0, 4.9]])
     s = Sampler()
-    assert s.sample(logits.clone(), [SamplingParams(temperature=0)], ["a"], [[]]) == [1]
+    assert s.sample(logits.clone(), [SamplingParams(temperature=0)], [[]]) == [1]
     # top_k=2 keeps only tokens 1 and 3, top_p small keeps only the top token
-    seen = {s.sample(logits.clone(), [SamplingParams(temperature=1.0, top_k=2)], [f"k{i}"], [[]])[0]
+    seen = {s.sample(logits.clone(), [SamplingParams(temperature=1.0, top_k=2)], [[]])[0]
             for i in range(50)}
     assert seen <= {1, 3}
-    assert {s.sample(logits.clone(), [SamplingParams(temperature=1.0, top_p=0.01)], [f"p{i}"], [[]])[0]
+    assert {s.sample(logits.clone(), [SamplingParams(temperature=1.0, top_p=0.01)], [[]])[0]
             for i in range(20)} == {1}
     flat = torch.zeros(1, 1000)
-    a = [Sampler().sample(flat.clone(), [SamplingParams(seed=7)], ["x"], [[]])[0] for _ in range(3)]
+    a = [Sampler().sample(flat.clone(), [SamplingParams(seed=7)], [[]])[0] for _ in range(3)]
     assert len(set(a)) == 1, "same seed, same token"
 
 
 def test_min_tokens_bans_eos():
     logits = torch.tensor([[0.0, 9.0, 1.0]])
-    assert Sampler().sample(logits, [SamplingParams(temperature=0)], ["a"], [[1]]) == [2]
+    assert Sampler().sample(logits, [SamplingParams(temperature=0)], [[1]]) == [2]
 
 
 @pytest.mark.parametrize("bad", [
@@ -63,10 +64,10 @@ def test_seeded_token_depends_only_on_seed_and_index():
     with its own Sampler: a seeded draw must not depend on what the sampler drew before."""
     flat = torch.zeros(1, 1000)
     p = SamplingParams(seed=7)
-    fresh = [Sampler().sample(flat.clone(), [p], ["x"], [[]], [i])[0] for i in range(8)]
+    fresh = [Sampler().sample(flat.clone(), [p], [[]], [i])[0] for i in range(8)]
     busy = Sampler()
-    busy.sample(flat.clone(), [SamplingParams(seed=99)], ["y"], [[]], [0])  # another request
-    assert [busy.sample(flat.clone(), [p], ["x"], [[]], [i])[0] for i in range(8)] == fresh
+    busy.sample(flat.clone(), [SamplingParams(seed=99)], [[]], [0])  # another request
+    assert [busy.sample(flat.clone(), [p], [[]], [i])[0] for i in range(8)] == fresh
     assert len(set(fresh)) > 4, "successive tokens get different draws"
-    other_seed = [Sampler().sample(flat.clone(), [SamplingParams(seed=8)], ["x"], [[]], [i])[0] for i in range(8)]
+    other_seed = [Sampler().sample(flat.clone(), [SamplingParams(seed=8)], [[]], [i])[0] for i in range(8)]
     assert other_seed != fresh

@@ -1,9 +1,9 @@
 """Scheduler: token budget, chunked prefill, decode first, preemption by recompute."""
 
 from phasesplit.runtime.engine.block_manager import BlockManager
-from phasesplit.runtime.engine.sampling import SamplingParams
 from phasesplit.runtime.engine.scheduler import Scheduler
 from phasesplit.runtime.engine.sequence import Sequence, Status
+from phasesplit.runtime.request import SamplingParams
 
 
 def run(sched: Scheduler, batch) -> None:

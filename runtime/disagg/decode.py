@@ -1,0 +1,207 @@
+"""The decode worker's half of the remote-prefill protocol: one state machine per request.
+
+Decode-first (docs/architecture.md): the decode worker owns each request from start to end.
+The engine reserves the prompt's KV blocks and calls `reserved`; from there a `RemotePrefill`
+moves through
+
+    RESERVED ──start──▶ ATTEMPT(url, transfer id) ──K/V + first token in──▶ DONE
+                              │  failed / timed out                           (engine.remote_prefilled)
+                              ├──▶ next ATTEMPT (policy retry, retry-local)
+                              └──▶ FALLBACK (engine.prefill_locally) or FAILED (engine.fail)
+    any state ──engine.release (abort, failure, fallback)──▶ ENDED
+
+An attempt announces its transfer to the KV receiver (which accepts frames only into the
+reserved slots), then posts a PrefillCall to a prefill worker; the receiver's DONE frame brings
+the first token. A transfer is cancelled at the receiver before its blocks are retried or
+freed; if a frame is still landing in them the blocks are kept here (not reused) until the
+receiver reports the frame's end, then handed back with engine.release_blocks.
+
+Threads: `reserved` and `release` run on the engine thread, attempts on the event loop, the
+receiver's callbacks on its own threads; `lock` guards the transfer table and each transfer's
+`tid`/`ended`, so no transfer can start into blocks the engine let go of. Results reach the
+engine only through AsyncEngine.call (the engine thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+
+import httpx
+import torch
+
+from phasesplit.runtime.disagg.messages import PrefillCall
+from phasesplit.runtime.engine.engine import KVConnector
+from phasesplit.runtime.engine.sequence import Sequence
+from phasesplit.runtime.kv.receiver import KVReceiver
+from phasesplit.runtime.kv.sender import TransferFailed
+from phasesplit.runtime.server.async_engine import AsyncEngine
+from phasesplit.runtime.server.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+class RemoteError(RuntimeError):
+    pass
+
+
+class RemotePrefill:
+    """One request's remote prefill, from its reservation to K/V in place (or fallback/failure)."""
+
+    def __init__(self, seq: Sequence, slots: torch.Tensor) -> None:
+        self.request_id = seq.request_id
+        self.prompt = list(seq.prompt_ids)
+        self.params = seq.params
+        self.slots = slots  # cache slot of every prompt position (CPU)
+        self.skip = seq.num_computed  # prefix-cache hits here: not sent
+        self.tid: int | None = None  # transfer being received into the blocks, if any
+        self.ended = False  # the engine dropped the reservation: start no transfer into it
+        self.task: asyncio.Task | None = None
+
+
+def attempts(urls: list[str], policy: str) -> list[str]:
+    """The prefill workers to try, best first, under a failure policy."""
+    if policy in ("local", "fail"):
+        return urls[:1]
+    return urls[:2] if policy == "retry-local" else urls
+
+
+class DecodeConnector(KVConnector):
+    """Runs the remote prefill of reserved requests and applies the failure policy."""
+
+    def __init__(self, aengine: AsyncEngine, receiver: KVReceiver, metrics: Metrics, *, kv_host: str,
+                 prefill_urls: list[str], policy: str, timeout: float, local_threshold: int) -> None:
+        self.aengine, self.receiver, self.metrics = aengine, receiver, metrics
+        self.kv_host, self.prefill_urls, self.policy, self.timeout = kv_host, prefill_urls, policy, timeout
+        self.local_threshold = local_threshold
+        self.loop: asyncio.AbstractEventLoop | None = None  # bound at start-up
+        self.routes: dict[str, list[str]] = {}  # request -> prefill candidates the router ranked
+        self.lock = threading.Lock()
+        self.transfers: dict[str, RemotePrefill] = {}
+        self.ids = itertools.count(int(time.time() * 1000) << 16)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0))
+
+    # -- engine thread (KVConnector) --------------------------------------------------------------
+
+    def reserved(self, seq: Sequence) -> bool:
+        """Blocks are reserved: start filling them from a prefill worker, or, for a prompt of at
+        most --local-prefill-threshold uncached tokens, have the engine compute it here."""
+        if len(seq.prompt_ids) - seq.num_computed <= self.local_threshold:
+            self.routes.pop(seq.request_id, None)
+            self.metrics.child(self.metrics.local_prefill).inc()
+            return False
+        t = RemotePrefill(seq, self.aengine.engine.runner.slots(seq, 0, len(seq.prompt_ids)).cpu())
+        with self.lock:
+            self.transfers[t.request_id] = t
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(self._start, t)
+        return True
+
+    def release(self, seq: Sequence) -> bool:
+        """The reservation is being dropped. True when no K/V frame is landing in it; otherwise
+        the blocks stay out of use until the receiver reports the frame's end."""
+        with self.lock:
+            t = self.transfers.get(seq.request_id)
+            if t is None:
+                return True
+            t.ended = True
+            tid = t.tid
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(self._stop, t)
+        if tid is None:
+            return True
+        blocks = seq.block_table
+        return self.receiver.cancel(tid, lambda: self.aengine.call(lambda e: e.release_blocks(blocks)))
+
+    # -- event loop -------------------------------------------------------------------------------
+
+    def route(self, request_id: str, urls: list[str]) -> None:
+        """The router's ranking of prefill workers for a request about to be added."""
+        self.routes[request_id] = urls
+
+    def forget(self, request_id: str) -> None:
+        self.routes.pop(request_id, None)
+
+    def _start(self, t: RemotePrefill) -> None:
+        with self.lock:
+            if t.ended:  # aborted before the loop got here
+                if self.transfers.get(t.request_id) is t:
+                    del self.transfers[t.request_id]
+                return
+        t.task = asyncio.ensure_future(self._run(t))
+
+    def _stop(self, t: RemotePrefill) -> None:
+        if t.task is not None and not t.task.done():
+            t.task.cancel()
+
+    async def _run(self, t: RemotePrefill) -> None:
+        errors = []
+        rid = t.request_id
+        try:
+            for url in attempts(self.routes.pop(rid, []) or list(self.prefill_urls), self.policy):
+                if t.ended:  # aborted or failed meanwhile: nothing to fall back for
+                    return
+                try:
+                    await self._attempt(url, t)
+                    return
+                except (httpx.HTTPError, TransferFailed, asyncio.TimeoutError, RemoteError) as e:
+                    self.metrics.child(self.metrics.kv_failures).inc()
+                    errors.append(f"{url}: {e or type(e).__name__}")
+                    log.warning("remote prefill of %s via %s failed: %s", rid, url, e or type(e).__name__)
+            why = "; ".join(errors) or "no prefill worker available"
+            if self.policy in ("local", "retry-local"):
+                self.metrics.child(self.metrics.local_prefill).inc()
+                self.aengine.call(lambda e: e.prefill_locally(rid))
+            else:
+                self.aengine.call(lambda e: e.fail(rid, f"prefill failed: {why}"))
+        finally:
+            with self.lock:
+                if self.transfers.get(rid) is t:
+                    del self.transfers[rid]
+
+    async def _attempt(self, url: str, t: RemotePrefill) -> None:
+        rid, tid = t.request_id, next(self.ids)
+        done = asyncio.Event()
+        failure: list[str] = []
+        loop = asyncio.get_running_loop()
+
+        def on_done(first_token: int, nbytes: int, seconds: float) -> None:  # receiver thread
+            self.metrics.child(self.metrics.kv_bytes).inc(nbytes)
+            self.metrics.child(self.metrics.kv_transfer).observe(seconds)
+            self.aengine.call(lambda e: e.remote_prefilled(rid, first_token, seconds))
+            loop.call_soon_threadsafe(done.set)
+
+        def on_fail(why: str) -> None:  # receiver thread
+            failure.append(why)
+            loop.call_soon_threadsafe(done.set)
+
+        with self.lock:
+            if t.ended:
+                raise RemoteError("the request ended before its prefill started")
+            self.receiver.expect(tid, t.slots, t.skip, on_done, on_fail)
+            t.tid = tid
+        call = PrefillCall(request_id=rid, prompt_ids=t.prompt, params=t.params, kv_host=self.kv_host,
+                           kv_port=self.receiver.port, transfer_id=tid, skip=t.skip)
+        try:
+            # asyncio.wait_for, not asyncio.timeout: the runtime supports Python 3.10.
+            await asyncio.wait_for(self._call_and_wait(url, call, done), self.timeout)
+            if failure:
+                raise RemoteError(failure[0])
+        finally:
+            # Late frames of this attempt can no longer land; one already landing is waited for
+            # (its connection is cut, so it ends at once) before the blocks are retried or freed.
+            released = asyncio.Event()
+            if not self.receiver.cancel(tid, lambda: loop.call_soon_threadsafe(released.set)):
+                await released.wait()
+            with self.lock:
+                if t.tid == tid:
+                    t.tid = None
+
+    async def _call_and_wait(self, url: str, call: PrefillCall, done: asyncio.Event) -> None:
+        r = await self.client.post(url + "/internal/prefill", json=call.model_dump(mode="json"))
+        if r.status_code != 200:
+            raise RemoteError(f"HTTP {r.status_code}: {r.text[:200]}")
+        await done.wait()

@@ -1,0 +1,36 @@
+"""The internal HTTP calls of split mode (not for clients). Torch-free: the router sends the first.
+
+- router → decode  POST /internal/generate  GenerateCall → NDJSON lines of RequestOutput
+- decode → prefill POST /internal/prefill   PrefillCall  → PrefillDone (the first token travels
+  once, in the KV stream's DONE frame, not in this reply)
+
+Sampling parameters travel in one form: request.SamplingParams, validated by pydantic here.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from phasesplit.runtime.request import SamplingParams
+
+
+class GenerateCall(BaseModel):
+    request_id: str
+    prompt_ids: list[int] = Field(min_length=1)
+    params: SamplingParams = Field(default_factory=SamplingParams)
+    prefill_urls: list[str] = Field(default_factory=list)  # best first; empty: the decode worker's own
+
+
+class PrefillCall(BaseModel):
+    request_id: str
+    prompt_ids: list[int] = Field(min_length=1)
+    params: SamplingParams = Field(default_factory=SamplingParams)
+    kv_host: str
+    kv_port: int
+    transfer_id: int
+    skip: int = 0  # prompt positions the decode worker holds already (its prefix cache)
+
+
+class PrefillDone(BaseModel):
+    bytes: int
+    seconds: float

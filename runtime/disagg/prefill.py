@@ -1,0 +1,84 @@
+"""The prefill worker's half of the remote-prefill protocol.
+
+One PrefillCall: run the prompt here (prefill only, one sampled token), stream each layer's new
+K/V to the decode worker's receiver while the next layer computes (`begin_step` hands the engine
+the per-layer callback), then end the transfer with a DONE frame carrying the first token and
+wait for the receiver's ACK. Any failure aborts the transfer; the decode worker, which owns the
+request, learns of it from the error reply and applies its failure policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from phasesplit.runtime.disagg.messages import PrefillCall, PrefillDone
+from phasesplit.runtime.engine.engine import KVConnector
+from phasesplit.runtime.engine.model_runner import ModelRunner
+from phasesplit.runtime.engine.scheduler import ScheduledBatch
+from phasesplit.runtime.engine.sequence import Sequence
+from phasesplit.runtime.kv.sender import KVSender, TransferFailed
+from phasesplit.runtime.server.async_engine import AsyncEngine
+
+log = logging.getLogger(__name__)
+
+
+class _Outgoing:
+    """One call's transfer: its sender and how far the prompt has been sent."""
+
+    def __init__(self, sender: KVSender, sent_upto: int) -> None:
+        self.sender, self.sent_upto = sender, sent_upto
+
+
+class PrefillConnector(KVConnector):
+    """Streams the K/V each step computes for requests with a transfer, layer by layer."""
+
+    def __init__(self, runner: ModelRunner, timeout: float) -> None:
+        self.runner, self.timeout = runner, timeout
+        self.outgoing: dict[str, _Outgoing] = {}  # engine request id -> transfer (event loop writes)
+        self._items: list[tuple[Sequence, int, int, KVSender]] = []  # this step's (seq, lo, hi, sender)
+
+    # -- engine thread --------------------------------------------------------------------------
+
+    def begin_step(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
+        self._items = []
+        for seq, chunk in batch.prefill:
+            out = self.outgoing.get(seq.request_id)
+            if out is None:
+                continue
+            hi = seq.num_computed + chunk  # this step computes up to here
+            if hi > out.sent_upto:  # includes prefix-cache hits on the first chunk: the decoder lacks them
+                self._items.append((seq, out.sent_upto, hi, out.sender))
+                out.sent_upto = hi
+        return self._layer_done if self._items else None
+
+    def _layer_done(self, layer: int) -> None:
+        for seq, lo, hi, sender in self._items:
+            sender.send_layer(layer, lo, self.runner.read_kv(seq, layer, lo, hi))
+
+    # -- event loop -----------------------------------------------------------------------------
+
+    async def prefill(self, aengine: AsyncEngine, call: PrefillCall) -> PrefillDone:
+        """Run one checked call to the end of its transfer. Raises TransferFailed or RuntimeError."""
+        t0 = time.monotonic()
+        sender = KVSender((call.kv_host, call.kv_port), call.transfer_id, timeout=self.timeout)
+        rid = f"{call.request_id}/{call.transfer_id}"
+        self.outgoing[rid] = _Outgoing(sender, call.skip)
+        first: int | None = None
+        try:
+            async for out in aengine.generate(rid, call.prompt_ids, call.params, prefill_only=True):
+                first = out.new_token_ids[0]
+            assert first is not None
+            sender.finish(first)
+            sent = await asyncio.to_thread(sender.wait, self.timeout)
+        except (TransferFailed, RuntimeError) as e:
+            sender.abort()
+            log.warning("prefill of %s failed: %s", rid, e)
+            raise
+        finally:
+            self.outgoing.pop(rid, None)
+            if first is None:
+                sender.abort()
+        return PrefillDone(bytes=sent, seconds=time.monotonic() - t0)

@@ -1,0 +1,84 @@
+"""Routing rules: which decode worker takes a request, which prefill workers to try. Pure.
+
+The router (router.py) keeps the pools current (polling /internal/state, Kubernetes discovery)
+and calls these with what it last saw.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+
+@dataclass
+class Worker:
+    url: str
+    up: bool = False
+    free_blocks: int = 0
+    total_blocks: int = 0
+    running: int = 0
+    waiting: int = 0  # requests waiting for KV blocks (LLMEngine.num_waiting)
+    waiting_tokens: int = 0  # prompt tokens of requests not started (the worker's queue gauge)
+    queued_tokens: int = 0  # prompt tokens still to prefill, part-way prompts included
+    inflight: int = 0  # requests this router sent since the last poll: keeps picks spread out
+    last_seen: float = 0.0
+
+
+@dataclass
+class Pool:
+    """Workers of one phase by URL. Discovery replaces the mapping as a whole (under a lock), and
+    a published mapping is never changed, so the event loop may iterate `workers` while the
+    discovery thread sets new URLs."""
+
+    workers: Mapping[str, Worker] = field(default_factory=lambda: MappingProxyType({}))
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def set_urls(self, urls: list[str]) -> None:
+        with self._lock:
+            old = self.workers
+            self.workers = MappingProxyType({u: old.get(u) or Worker(u) for u in dict.fromkeys(urls)})
+
+    def live(self) -> list[Worker]:
+        return [w for w in self.workers.values() if w.up]
+
+
+def pick_decode(pool: Pool) -> Worker | None:
+    live = pool.live()
+    if not live:
+        return None
+    return max(live, key=lambda w: (w.free_blocks, -(w.running + w.inflight)))
+
+
+AFFINITY_SLACK_TOKENS = 2048  # how much longer a queue may be and still win on prefix affinity
+
+
+def rank_prefill(pool: Pool, rng: random.Random, prompt: list[int] | None = None,
+                 block_size: int = 16) -> list[Worker]:
+    """Best prefill worker first, the rest as fallbacks.
+
+    Prompts that share their first block go to the same worker (rendezvous hashing), where its
+    prefix cache likely holds them, unless that worker's queue is much longer than the shortest;
+    otherwise the worker with the fewest prompt tokens still to prefill (ties at random). The
+    count includes prompts part-way through prefill: a worker in the middle of a long prompt is
+    busy, though its waiting queue is empty. All workers are compared, not two at random: this
+    router adds what it sends to the count at once, so its own picks do not herd, and two
+    random choices left queues uneven enough to cost a sixth of the prefill pool at the same
+    TTFT in the simulator (docs/autoscaling.md).
+    """
+    live = pool.live()
+    if len(live) <= 1:
+        return live
+    shortest = min(w.queued_tokens for w in live)
+    best = None
+    if prompt is not None and len(prompt) > block_size:
+        key = ",".join(map(str, prompt[:block_size]))
+        home = max(live, key=lambda w: zlib.crc32(f"{w.url}|{key}".encode()))
+        if home.queued_tokens <= shortest + AFFINITY_SLACK_TOKENS:
+            best = home
+    if best is None:
+        best = rng.choice([w for w in live if w.queued_tokens == shortest])
+    return [best] + sorted((w for w in live if w is not best), key=lambda w: w.queued_tokens)
