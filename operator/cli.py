@@ -17,7 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
                         help="URL to serve the liveness probe on ('' to disable)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    parser.add_argument("--workers", type=int, default=4, help="reconcile passes run in parallel (default 4)")
+    parser.add_argument("--workers", type=int, default=16,
+                        help="reconcile passes run in parallel (default 16: a pass mostly waits on the API server)")
     parser.add_argument("--resync-period", default="5m", metavar="DURATION",
                         help="re-list everything and reconcile every InferenceService this often (default 5m)")
     parser.add_argument("--leader-election", action=argparse.BooleanOptionalAction, default=True,

@@ -52,7 +52,7 @@ ENDPOINT_SLICES = render.ChildKind("discovery.k8s.io/v1", "endpointslices", "End
 @dataclass
 class Settings:
     namespaces: list[str] = field(default_factory=list)  # empty: the whole cluster
-    workers: int = 4
+    workers: int = 16
     resync_s: float = 300.0
     planner_tick_s: float = 1.0
     planner_concurrency: int = 32

@@ -63,8 +63,8 @@ def api_client(kubeconfig: str | None = None) -> client.ApiClient:
         config.load_incluster_config(client_configuration=cfg)
     except config.ConfigException:
         config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
-    # One connection per worker thread (urllib3's pool is shared by the threads).
-    cfg.connection_pool_maxsize = 16
+    # A connection per worker thread and the resync (urllib3's pool is shared by the threads).
+    cfg.connection_pool_maxsize = 32
     return client.ApiClient(cfg)
 
 
