@@ -32,7 +32,7 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from phasesplit.operator import api, render, status
-from phasesplit.operator.kube import PARENT, Kube, api_message
+from phasesplit.operator.kube import PARENT, Kube, api_message, namespace_terminating
 from phasesplit.operator.leader import LeaderElector
 from phasesplit.operator.metrics.autoscale import ServiceAutoscaler, endpoint_targets, status_patch
 from phasesplit.operator.reconcile import reconcile_children, write_status
@@ -355,6 +355,9 @@ class Controller:
                 log.info("%s/%s: applied %d, deleted %d children (generation %s)", *key, len(applied),
                          len(deleted), generation)
         except ApiException as e:
+            if namespace_terminating(e):
+                log.debug("%s/%s: its namespace is being deleted", *key)
+                return  # the children it lost go with the namespace; so will the service
             if e.status in (0, None) or e.status >= 500:
                 raise  # the API server itself is in trouble: no status write will get through either
             error = f"{e.status} {e.reason}: {api_message(e)}"

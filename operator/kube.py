@@ -54,6 +54,11 @@ def api_message(e: ApiException) -> str:
         return str(e.body)[:500]
 
 
+def namespace_terminating(e: BaseException) -> bool:
+    """The API server refused a create because the namespace is being deleted: nothing to retry."""
+    return isinstance(e, ApiException) and e.status == 403 and "being terminated" in api_message(e)
+
+
 def api_client(kubeconfig: str | None = None) -> client.ApiClient:
     """In-cluster credentials when running in a pod, else the kubeconfig ($KUBECONFIG or ~/.kube/config)."""
     cfg = client.Configuration()
@@ -148,7 +153,8 @@ class Kube:
         try:
             self._call("POST", f"/api/v1/namespaces/{owner.namespace}/events", body=body)
         except (ApiException, OSError) as e:
-            log.warning("could not post Event %s %s on %s/%s: %s", kind, reason, owner.namespace, owner.name, e)
+            if not namespace_terminating(e):
+                log.warning("could not post Event %s %s on %s/%s: %s", kind, reason, owner.namespace, owner.name, e)
 
     # leases (leader election)
 

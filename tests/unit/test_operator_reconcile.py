@@ -401,3 +401,26 @@ def test_resync_finds_what_a_dropped_watch_missed():
     c._reconcile(key)
     assert ("Service", "chat-prefill") in k.objects
     assert k.events == [("Normal", "Recreated", "recreated Service chat-prefill after it was deleted")]
+
+
+def test_a_terminating_namespace_is_not_fought():
+    """Children the namespace controller deletes first are not recreated over and over: the
+    refusal ("being terminated") ends the pass without a retry or a status write."""
+    k = MemoryKube()
+    c = controller(k)
+    c.observe_parent(None, parent())
+    c._reconcile(("serving", "chat"))
+    feed_children(c, k)
+    writes = k.calls["patch_status"]
+
+    def refuse(obj):
+        e = ApiException(status=403, reason="Forbidden")
+        e.body = json.dumps({"message": 'roles "chat-router" is forbidden: unable to create new content in '
+                                        'namespace serving because it is being terminated'})
+        raise e
+    k.apply = refuse
+    k.objects.pop(("Role", "chat-router"))
+    c.observe_child("DELETED", {"kind": "Role", "metadata": {"name": "chat-router", "namespace": "serving",
+                                                             "labels": {render.INSTANCE_LABEL: "chat"}}})
+    c._reconcile(("serving", "chat"))  # returns: no exception, so no retry
+    assert k.calls["patch_status"] == writes
