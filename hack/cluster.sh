@@ -21,6 +21,10 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 state=${PHASESPLIT_CLUSTER_DIR:-${TMPDIR:-/tmp}/phasesplit-cluster-$(id -u)}
 nodes=${PHASESPLIT_CLUSTER_NODES:-2}
 gpus_per_node=${PHASESPLIT_CLUSTER_GPUS:-8}
+# Client QPS of the controller-manager's controllers and of the scheduler (their defaults: 20 and
+# 50). Raise it for scale experiments (tests/bench/operator_scale.py), where thousands of pods
+# are created and bound at once and those limits, not the operator, would set the pace.
+api_qps=${PHASESPLIT_CLUSTER_QPS:-}
 service_cidr=10.96.0.0/16
 service_ip=10.96.0.1  # first address of service_cidr: the `kubernetes` Service, in the serving cert
 pod_cidr=10.244.0.0/16
@@ -299,12 +303,14 @@ up() {
     --use-service-account-credentials=true \
     --service-account-private-key-file="$pki/sa.key" --root-ca-file="$pki/ca.crt" \
     --cluster-signing-cert-file="$pki/ca.crt" --cluster-signing-key-file="$pki/ca.key" \
-    --controllers='*' --node-monitor-period=1s
+    --controllers='*' --node-monitor-period=1s \
+    ${api_qps:+--kube-api-qps=$api_qps --kube-api-burst=$((api_qps * 2))}
   start kube-scheduler \
     --kubeconfig="$state/scheduler.kubeconfig" \
     --authentication-kubeconfig="$state/scheduler.kubeconfig" \
     --authorization-kubeconfig="$state/scheduler.kubeconfig" \
-    --bind-address=127.0.0.1 --secure-port="$sched_port" --leader-elect=false
+    --bind-address=127.0.0.1 --secure-port="$sched_port" --leader-elect=false \
+    ${api_qps:+--kube-api-qps=$api_qps --kube-api-burst=$((api_qps * 2))}
   # kwok keeps the annotated nodes Ready (lease heartbeats) and plays the kubelet for pods bound
   # to them, following hack/kube/kwok-stages.yaml: Running and Ready at once, deleted when asked.
   start kwok --kubeconfig="$state/kubeconfig" --config="$root/hack/kube/kwok-stages.yaml" \

@@ -24,6 +24,8 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from phasesplit.runtime import metric_names
+from phasesplit.runtime.units import DURATION_PATTERN, parse_duration
+from phasesplit.runtime.version import VERSION as PACKAGE_VERSION
 
 GROUP = "serving.phasesplit.io"
 VERSION = "v1alpha1"
@@ -37,15 +39,12 @@ SHORT_NAMES = ["psvc"]
 # refer to them; the KV port is configurable because it is part of the transfer contract.
 HTTP_PORT = 8000
 DEFAULT_KV_PORT = 9000
-DEFAULT_RUNTIME_IMAGE = "ghcr.io/phasesplit/runtime:0.1.0"
+DEFAULT_RUNTIME_IMAGE = f"ghcr.io/phasesplit/runtime:{PACKAGE_VERSION}"
 
 PHASES = ("prefill", "decode")
 COMPONENTS = ("prefill", "decode", "router")
 
 # RE2 (Kubernetes) and Python `re` must both accept these patterns: no lookarounds.
-DURATION_PATTERN = r"^([0-9]+(\.[0-9]+)?(ms|s|m|h))+$"
-_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)")
-_UNIT_SECONDS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 QUANTITY_PATTERN = (
     r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
@@ -53,13 +52,6 @@ QUANTITY_PATTERN = (
 MEMORY_PATTERN = r"^[0-9]+(\.[0-9]+)?([kKmMgG]([iI])?([bB])?|[bB])?$"
 RELATIVE_PATH_PATTERN = r"^[A-Za-z0-9._-][A-Za-z0-9._/-]*$"
 URL_PATTERN = r"^https?://[^\s]+$"
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in a duration such as `500ms`, `30s`, `1m30s` (the CRD's duration syntax)."""
-    if not re.fullmatch(DURATION_PATTERN, text):
-        raise ValueError(f"not a duration: {text!r} (use e.g. 500ms, 30s, 1m30s)")
-    return sum(float(n) * _UNIT_SECONDS[u] for n, u in _DURATION_PART.findall(text))
 
 
 def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
@@ -71,8 +63,7 @@ def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str
 
 
 def _positive_duration(text: str) -> str:
-    if parse_duration(text) <= 0:
-        raise ValueError(f"duration must be positive: {text!r}")
+    parse_duration(text)  # raises unless positive
     return text
 
 
@@ -558,8 +549,8 @@ class PhaseStatus(ApiModel):
     summary: str = Field("0/0", description="ready/desired, for `kubectl get`.")
 
 
-class Decision(ApiModel):
-    """The autoscaler's latest decision."""
+class DecisionStatus(ApiModel):
+    """The autoscaler's latest decision, as recorded in the status."""
 
     time: str | None = Field(None, description="When it was made (RFC 3339).")
     reason: str | None = Field(None, description="Why, in words (which metric or SLO drove it).")
@@ -582,7 +573,7 @@ class AutoscalingStatus(ApiModel):
     """State of the autoscaler (written by the planner)."""
 
     mode: str | None = Field(None, description="Mode in effect.")
-    last_decision: Decision | None = Field(None, description="The latest decision.")
+    last_decision: DecisionStatus | None = Field(None, description="The latest decision.")
     observed: Observed | None = Field(None, description="Latest measurements.")
     conditions: list[Condition] = Field(default_factory=list,
                                         description="MetricsAvailable: whether the last step had fresh metrics "

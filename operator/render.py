@@ -13,6 +13,7 @@ from typing import Any
 
 from phasesplit.operator import api
 from phasesplit.runtime import metric_names
+from phasesplit.runtime.version import VERSION
 
 MANAGED_BY = "phasesplit-operator"
 APP_NAME = "phasesplit"
@@ -23,8 +24,49 @@ OPERATOR_POD_LABELS = {"app.kubernetes.io/name": APP_NAME, COMPONENT_LABEL: "ope
 API_KEY_ENV = "PHASESPLIT_API_KEY"
 MODEL_MOUNT = "/models"
 RUNTIME_UID = 1000
-VERSION = "0.1.0"
 
+
+
+@dataclass(frozen=True)
+class ChildKind:
+    """A kind of object the operator renders: how to address it in the API."""
+
+    api_version: str  # "v1" for the core group, else "group/version"
+    plural: str
+    kind: str
+
+    @property
+    def group(self) -> str:
+        return self.api_version.rpartition("/")[0]
+
+    @property
+    def version(self) -> str:
+        return self.api_version.rpartition("/")[2]
+
+
+# Every kind render() may produce, in apply order (RBAC before pods): what the operator watches,
+# lists on resync and prunes.
+CHILD_KINDS: tuple[ChildKind, ...] = (
+    ChildKind("v1", "serviceaccounts", "ServiceAccount"),
+    ChildKind("rbac.authorization.k8s.io/v1", "roles", "Role"),
+    ChildKind("rbac.authorization.k8s.io/v1", "rolebindings", "RoleBinding"),
+    ChildKind("v1", "services", "Service"),
+    ChildKind("apps/v1", "deployments", "Deployment"),
+    ChildKind("policy/v1", "poddisruptionbudgets", "PodDisruptionBudget"),
+    ChildKind("networking.k8s.io/v1", "networkpolicies", "NetworkPolicy"),
+    ChildKind("autoscaling/v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler"),
+)
+
+
+@dataclass(frozen=True)
+class PlannedReplicas:
+    """The planner's latest decision as render needs it: replicas per phase and the spec
+    generation it was made under (handed over in memory; after a restart, read back once from
+    status.autoscaling.lastDecision)."""
+
+    prefill: int | None
+    decode: int | None
+    generation: int | None = None
 
 
 @dataclass(frozen=True)
@@ -340,13 +382,13 @@ def autoscalers(owner: Owner, spec: api.InferenceServiceSpec) -> list[dict[str, 
 # the whole set
 
 
-def desired_replicas(spec: api.InferenceServiceSpec, decision: api.Decision | None = None,
+def desired_replicas(spec: api.InferenceServiceSpec, decision: PlannedReplicas | None = None,
                      generation: int | None = None) -> dict[str, int | None]:
     """Replicas to apply per component; None means "leave to the HPA".
 
-    This is the seam for the planner: it records its decision in status.autoscaling.lastDecision,
-    and the decision holds until the user edits the spec (a newer generation), whose replicas then
-    win until the planner decides again. Either way the result stays within the phase's bounds.
+    This is the seam for the planner: its decision holds until the user edits the spec (a newer
+    generation), whose replicas then win until the planner decides again. The bounds are applied
+    here, whoever decided (a decision read back from an older operator's status included).
     """
     mode = spec.autoscaling.mode
     out: dict[str, int | None] = {"router": spec.router.replicas}
@@ -357,7 +399,7 @@ def desired_replicas(spec: api.InferenceServiceSpec, decision: api.Decision | No
         want = spec.phase(phase).replicas
         if mode == "Planner" and decision is not None and (
                 generation is None or decision.generation is None or decision.generation >= generation):
-            decided = decision.prefill_replicas if phase == "prefill" else decision.decode_replicas
+            decided = decision.prefill if phase == "prefill" else decision.decode
             if decided is not None:
                 low, high = spec.phase(phase).bounds()
                 want = min(max(decided, low), high)

@@ -39,21 +39,13 @@ def parse_bytes(text: str) -> int:
 
 
 def parse_seconds(text: str) -> float:
-    """Parse a duration: plain seconds or with a unit (ms, s, m)."""
-    s = text.strip().lower()
-    for unit, scale in (("ms", 1e-3), ("s", 1.0), ("m", 60.0)):
-        if s.endswith(unit):
-            s, factor = s[: -len(unit)], scale
-            break
-    else:
-        factor = 1.0
+    """A duration flag: plain seconds or with units (500ms, 30s, 1m30s); see phasesplit.runtime.units."""
+    from phasesplit.runtime.units import parse_duration
+
     try:
-        value = float(s) * factor
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (use e.g. 30s, 500ms)") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"duration must be positive: {text!r}")
-    return value
+        return parse_duration(text, bare_unit="s")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _url_list(text: str) -> list[str]:

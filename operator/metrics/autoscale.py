@@ -1,32 +1,26 @@
 """One autoscaling step for an InferenceService in Planner mode: gather, decide, describe.
 
-The kopf timer in handlers.py calls ServiceAutoscaler.step() and applies what it returns (the
-Deployments' replicas through the reconciler, the status patch, an Event per change). This
-module does the metrics I/O (through scrape.py or prometheus.py) and keeps the per-service
+The controller's planner loop (controller.py) awaits ServiceAutoscaler.step() when a service's
+interval has passed and hands the decision to that service's next reconcile pass in memory.
+This module does the metrics I/O (through scrape.py or prometheus.py) and keeps the per-service
 memory the planner needs between steps: its calibrated model, its behavior history, the
 previous scrape. Mapping the spec onto the planner's knobs is pure (planner_config).
 """
 
 from __future__ import annotations
 
-import asyncio
-import datetime
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
+
 from phasesplit.operator import api
 from phasesplit.operator.metrics.prometheus import PrometheusError, PrometheusSource
 from phasesplit.operator.metrics.scrape import PodScrapeSource
-from phasesplit.operator.planner import Behavior, Decision, MetricsSnapshot, Planner, PlannerConfig
-from phasesplit.operator.planner.behavior import ScalingPolicy, ScalingRules
+from phasesplit.operator.planner import Decision, MetricsSnapshot, Planner, PlannerConfig
 from phasesplit.operator.planner.planner import PhaseLimits
-
-
-def _rules(r: api.ScalingRules) -> ScalingRules:
-    return ScalingRules(float(r.stabilization_window_seconds),
-                        tuple(ScalingPolicy(p.type, p.value, float(p.period_seconds)) for p in r.policies),
-                        r.select_policy)
+from phasesplit.runtime.units import parse_duration, rfc3339
 
 
 def planner_config(spec: api.InferenceServiceSpec) -> PlannerConfig:
@@ -34,15 +28,15 @@ def planner_config(spec: api.InferenceServiceSpec) -> PlannerConfig:
     a = spec.autoscaling
     bounds = {p: spec.phase(p).bounds() for p in api.PHASES}
     return PlannerConfig(
-        ttft_s=api.parse_duration(spec.slo.ttft),
-        itl_s=api.parse_duration(spec.slo.itl),
+        ttft_s=parse_duration(spec.slo.ttft),
+        itl_s=parse_duration(spec.slo.itl),
         percentile=spec.slo.percentile / 100.0,
         prefill=PhaseLimits(*bounds["prefill"]),
         decode=PhaseLimits(*bounds["decode"]),
-        behavior=Behavior(_rules(a.behavior.scale_up), _rules(a.behavior.scale_down)),
+        behavior=a.behavior,
         min_pd_ratio=a.ratio.min if a.ratio else None,
         max_pd_ratio=a.ratio.max if a.ratio else None,
-        interval_s=api.parse_duration(a.interval),
+        interval_s=parse_duration(a.interval),
     )
 
 
@@ -65,11 +59,6 @@ def endpoint_targets(slices: list[Mapping[str, Any]]) -> dict[str, str]:
     return out
 
 
-def _rfc3339(t: float) -> str:
-    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).replace(microsecond=0).isoformat() \
-        .replace("+00:00", "Z")
-
-
 def status_patch(decision: Decision, snap: MetricsSnapshot | None, now: float, generation: int | None,
                  previous: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """status.autoscaling after a step (camelCase, as the CRD stores it)."""
@@ -77,7 +66,7 @@ def status_patch(decision: Decision, snap: MetricsSnapshot | None, now: float, g
     out: dict[str, Any] = {"mode": "Planner"}
     last = previous.get("lastDecision")
     if decision.changed or last is None:
-        last = {"time": _rfc3339(now), "reason": decision.reason[:1000],
+        last = {"time": rfc3339(now), "reason": decision.reason[:1000],
                 "prefillReplicas": decision.prefill.desired, "decodeReplicas": decision.decode.desired,
                 "generation": generation}
     out["lastDecision"] = last
@@ -91,7 +80,7 @@ def status_patch(decision: Decision, snap: MetricsSnapshot | None, now: float, g
     for kind, ok, reason, message in decision.conditions:
         status = "True" if ok else "False"
         before = prev_conds.get(kind)
-        since = before["lastTransitionTime"] if before and before.get("status") == status else _rfc3339(now)
+        since = before["lastTransitionTime"] if before and before.get("status") == status else rfc3339(now)
         conds.append({"type": kind, "status": status, "reason": reason, "message": message[:1000],
                       "lastTransitionTime": since})
     out["conditions"] = conds
@@ -106,13 +95,21 @@ class StepResult:
 
 
 class ServiceAutoscaler:
-    """The planner and metrics memory of one InferenceService (keyed by uid in handlers)."""
+    """The planner and metrics memory of one InferenceService (kept in the controller's record)."""
+
+    # Endpoints that all failed are left alone for the next 1, 2, 4 ... up to this many intervals
+    # (until the endpoints change): an unreachable pool costs nothing every interval.
+    MAX_BACKOFF_INTERVALS = 8
 
     def __init__(self, spec: api.InferenceServiceSpec):
         self.spec_key: Any = None
         self.planner: Planner | None = None
         self.pods: PodScrapeSource | None = None
+        self.prometheus: PrometheusSource | None = None
         self.last_step: float | None = None
+        self._failed_targets: dict[str, str] | None = None
+        self._failures = 0
+        self._skip_until = 0.0
         self.configure(spec)
 
     def configure(self, spec: api.InferenceServiceSpec) -> None:
@@ -137,24 +134,43 @@ class ServiceAutoscaler:
                                                percentile=cfg.percentile, slo=slo)
         self.spec_key = key
 
-    def due(self, now: float) -> bool:
+    @property
+    def interval_s(self) -> float:
         assert self.planner is not None
-        return self.last_step is None or now - self.last_step >= self.planner.config.interval_s - 0.5
+        return self.planner.config.interval_s
 
-    async def _collect(self, slices: list[Mapping[str, Any]]) -> tuple[MetricsSnapshot | None, list[str]]:
+    def due(self, now: float) -> bool:
+        return self.last_step is None or now - self.last_step >= self.interval_s - 0.5
+
+    async def _collect(self, targets: dict[str, str], now: float,
+                       http: httpx.AsyncClient | None) -> tuple[MetricsSnapshot | None, list[str]]:
         if self.prometheus is not None:
             try:
                 return await self.prometheus.collect(), []
             except PrometheusError as e:
                 return None, [str(e)]
         assert self.pods is not None
-        snap = await self.pods.collect(endpoint_targets(slices))
-        return snap, list(self.pods.errors)
+        if not targets:
+            return None, []  # no ready endpoint: nothing to ask
+        if targets == self._failed_targets and now < self._skip_until:
+            return None, []  # the same endpoints failed last time: back off
+        snap = await self.pods.collect(targets, http)
+        errors = list(self.pods.errors)
+        if errors and len(errors) == len(targets):
+            self._failures = self._failures + 1 if targets == self._failed_targets else 1
+            self._failed_targets = targets
+            skip = min(2 ** (self._failures - 1), self.MAX_BACKOFF_INTERVALS)
+            self._skip_until = now + self.interval_s * (skip + 0.5)
+        else:
+            self._failed_targets, self._failures = None, 0
+        return snap, errors
 
-    def step(self, current: Mapping[str, int], slices: list[Mapping[str, Any]], now: float) -> StepResult:
-        """slices: the EndpointSlices of the service's router and phase Services (pods source)."""
+    async def step(self, current: Mapping[str, int], targets: dict[str, str], now: float,
+                   http: httpx.AsyncClient | None = None) -> StepResult:
+        """targets: /metrics URLs of the ready endpoints (pods source; see endpoint_targets);
+        http: a client to scrape them with (default: one for this step)."""
         assert self.planner is not None
         self.last_step = now
-        snap, errors = asyncio.run(self._collect(slices))
+        snap, errors = await self._collect(targets, now, http)
         decision = self.planner.plan(snap, dict(current), now)
         return StepResult(decision, snap, errors)

@@ -51,8 +51,10 @@ class PodScrapeSource:
         self.previous: Scrape | None = None
         self.errors: list[str] = []
 
-    async def collect(self, targets: Mapping[str, str]) -> MetricsSnapshot | None:
-        cur, self.errors = await scrape(targets, self.timeout_s)
+    async def collect(self, targets: Mapping[str, str],
+                      client: httpx.AsyncClient | None = None) -> MetricsSnapshot | None:
+        """client: a shared one (the operator's planner loop keeps one for every service)."""
+        cur, self.errors = await scrape(targets, self.timeout_s, client)
         prev, self.previous = self.previous, cur
         if prev is None or not cur.pods:
             return None

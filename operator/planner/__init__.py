@@ -4,13 +4,13 @@ Pure logic: nothing here does I/O or reads the clock; time comes in with the met
 and the `now` argument, so the operator and the simulator run exactly the same code.
 """
 
-from phasesplit.operator.planner.behavior import Behavior, ScalingPolicy, ScalingRules
+from phasesplit.operator.planner.behavior import HPA_BEHAVIOR
 from phasesplit.operator.planner.model import DecodeProfile, PerfModel, PrefillProfile
 from phasesplit.operator.planner.planner import Decision, PhaseDecision, Planner, PlannerConfig
 from phasesplit.operator.planner.snapshot import MetricsSnapshot
 
 __all__ = [
-    "Behavior",
+    "HPA_BEHAVIOR",
     "DecodeProfile",
     "Decision",
     "MetricsSnapshot",
@@ -19,6 +19,4 @@ __all__ = [
     "Planner",
     "PlannerConfig",
     "PrefillProfile",
-    "ScalingPolicy",
-    "ScalingRules",
 ]

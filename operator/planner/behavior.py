@@ -17,35 +17,16 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
 
-PolicyType = Literal["Pods", "Percent"]
-SelectPolicy = Literal["Max", "Min", "Disabled"]
+from phasesplit.operator.api import Behavior, ScaleDownRules, ScalingPolicy, ScalingRules
 
-
-@dataclass(frozen=True)
-class ScalingPolicy:
-    type: PolicyType
-    value: int
-    period_s: float
-
-
-@dataclass(frozen=True)
-class ScalingRules:
-    stabilization_s: float
-    policies: tuple[ScalingPolicy, ...]
-    select: SelectPolicy = "Max"
-
-
-# The autoscaling/v2 defaults.
-DEFAULT_SCALE_UP = ScalingRules(0.0, (ScalingPolicy("Percent", 100, 15), ScalingPolicy("Pods", 4, 15)))
-DEFAULT_SCALE_DOWN = ScalingRules(300.0, (ScalingPolicy("Percent", 100, 15),))
-
-
-@dataclass(frozen=True)
-class Behavior:
-    scale_up: ScalingRules = DEFAULT_SCALE_UP
-    scale_down: ScalingRules = DEFAULT_SCALE_DOWN
+# The autoscaling/v2 defaults (the planner's when no spec says otherwise, e.g. in the simulator).
+# The rules are the InferenceService API's own types: a spec's behavior is used as written.
+DEFAULT_SCALE_UP = ScalingRules(stabilization_window_seconds=0, policies=[
+    ScalingPolicy(type="Percent", value=100, period_seconds=15), ScalingPolicy(type="Pods", value=4, period_seconds=15)])
+DEFAULT_SCALE_DOWN = ScaleDownRules(stabilization_window_seconds=300, policies=[
+    ScalingPolicy(type="Percent", value=100, period_seconds=15)])
+HPA_BEHAVIOR = Behavior(scale_up=DEFAULT_SCALE_UP, scale_down=DEFAULT_SCALE_DOWN)
 
 
 @dataclass
@@ -72,11 +53,11 @@ class PhaseLimiter:
         self.recommendations.append((now, recommended))
         self._prune(now)
         up, down = self.behavior.scale_up, self.behavior.scale_down
-        up_window = max(up.stabilization_s, confirm_s)
+        up_window = max(up.stabilization_window_seconds, confirm_s)
         up_rec = recommended if urgent else min(r for t, r in self.recommendations if t >= now - up_window)
-        down_rec = max(r for t, r in self.recommendations if t >= now - down.stabilization_s)
+        down_rec = max(r for t, r in self.recommendations if t >= now - down.stabilization_window_seconds)
         notes = []
-        if now - self.started < down.stabilization_s:
+        if now - self.started < down.stabilization_window_seconds:
             # History shorter than the window (fresh start): do not trust it to scale down.
             down_rec = max(down_rec, current)
         stabilized = current
@@ -87,7 +68,7 @@ class PhaseLimiter:
         if stabilized < recommended and recommended > current:
             notes.append(f"scale-up stabilization holds at {stabilized}")
         if stabilized > recommended and recommended < current:
-            notes.append(f"scale-down stabilization ({down.stabilization_s:.0f}s) holds at {stabilized}")
+            notes.append(f"scale-down stabilization ({down.stabilization_window_seconds:.0f}s) holds at {stabilized}")
         desired = stabilized
         if desired > current:
             limit = self._limit(now, current, up, +1)
@@ -112,14 +93,14 @@ class PhaseLimiter:
             self.changes.append((now, desired - current))
 
     def _limit(self, now: float, current: int, rules: ScalingRules, sign: int) -> int:
-        if rules.select == "Disabled":
+        if rules.select_policy == "Disabled":
             return current
         if not rules.policies:
             return 10**9 if sign > 0 else 0  # no policy: no rate limit
         limits = []
         for p in rules.policies:
             # Replicas at the start of this policy's period: undo the changes made within it.
-            moved = sum(d for t, d in self.changes if t > now - p.period_s and d * sign > 0)
+            moved = sum(d for t, d in self.changes if t > now - p.period_seconds and d * sign > 0)
             start = current - moved
             if p.type == "Pods":
                 limits.append(start + sign * p.value)
@@ -128,15 +109,16 @@ class PhaseLimiter:
             else:
                 limits.append(math.floor(start * (1 - p.value / 100)))
         # "Max" allows the biggest change in the direction of travel.
-        if (rules.select == "Max") == (sign > 0):
+        if (rules.select_policy == "Max") == (sign > 0):
             return max(limits)
         return min(limits)
 
     def _prune(self, now: float) -> None:
-        keep = max(self.behavior.scale_up.stabilization_s, self.behavior.scale_down.stabilization_s, 3600.0)
+        keep = max(self.behavior.scale_up.stabilization_window_seconds,
+                   self.behavior.scale_down.stabilization_window_seconds, 3600.0)
         while self.recommendations and self.recommendations[0][0] < now - keep:
             self.recommendations.popleft()
-        period = max((p.period_s for r in (self.behavior.scale_up, self.behavior.scale_down)
+        period = max((p.period_seconds for r in (self.behavior.scale_up, self.behavior.scale_down)
                       for p in r.policies), default=0.0)
         while self.changes and self.changes[0][0] <= now - period:
             self.changes.popleft()

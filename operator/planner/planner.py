@@ -6,12 +6,11 @@ import math
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from phasesplit.operator.planner.behavior import Behavior, PhaseLimiter, apply_ratio
+from phasesplit.operator.api import PHASES, Behavior
+from phasesplit.operator.planner.behavior import HPA_BEHAVIOR, PhaseLimiter, apply_ratio
 from phasesplit.operator.planner.model import DecodeProfile, PerfModel, PrefillProfile
 from phasesplit.operator.planner.queueing import replicas_for_ttft, service_quantile
 from phasesplit.operator.planner.snapshot import MetricsSnapshot
-
-PHASES = ("prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -27,7 +26,7 @@ class PlannerConfig:
     percentile: float = 0.95  # the SLO is met when this quantile is within target
     prefill: PhaseLimits = PhaseLimits()
     decode: PhaseLimits = PhaseLimits()
-    behavior: Behavior = Behavior()
+    behavior: Behavior = field(default_factory=lambda: HPA_BEHAVIOR)
     min_pd_ratio: float | None = None  # prefill replicas per decode replica, lower bound
     max_pd_ratio: float | None = None
     interval_s: float = 15.0

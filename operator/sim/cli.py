@@ -9,42 +9,33 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
+
+from phasesplit.runtime import units
 
 ATTRIBUTION = ("Trace: Azure LLM inference trace 2023 (Azure Public Dataset, CC BY 4.0); Patel et al., "
                "\"Splitwise: Efficient generative LLM inference using phase splitting\", ISCA 2024.")
 
-_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m)?\s*$")
+def _argument(parse, text: str, **kw):
+    try:
+        return parse(text, **kw)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_duration(text: str) -> float:
-    m = _DURATION.match(text)
-    if not m or float(m.group(1)) <= 0:
-        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (use e.g. 500ms, 2s, 10m)")
-    return float(m.group(1)) * {"ms": 1e-3, "s": 1.0, "m": 60.0, None: 1.0}[m.group(2)]
+    """A duration flag: seconds, or with units (500ms, 2s, 10m)."""
+    return _argument(units.parse_duration, text, bare_unit="s")
 
 
 def parse_span(text: str) -> float:
     """A duration that may be zero (e.g. no warm-up)."""
-    if text.strip() in ("0", "0s", "0ms", "0m"):
-        return 0.0
-    return parse_duration(text)
+    return _argument(units.parse_duration, text, bare_unit="s", allow_zero=True)
 
 
 def parse_slo(text: str) -> dict[str, float]:
-    """'ttft=500ms,itl=50ms' (the bench tool's syntax; a bare number is milliseconds)."""
-    out = {}
-    for part in text.split(","):
-        key, sep, value = part.partition("=")
-        key = key.strip().lower()
-        if not sep or key not in ("ttft", "itl"):
-            raise argparse.ArgumentTypeError(f"bad SLO {part.strip()!r}: use ttft=DURATION,itl=DURATION")
-        v = value.strip()
-        out[key] = parse_duration(v) if v[-1:].isalpha() else parse_duration(v + "ms")
-    if set(out) != {"ttft", "itl"}:
-        raise argparse.ArgumentTypeError("give both: --slo ttft=500ms,itl=50ms")
-    return out
+    """'ttft=500ms,itl=50ms' (the bench tool's syntax; a bare number is milliseconds); both required."""
+    return _argument(units.parse_slo, text, keys=("ttft", "itl"), require_all=True)
 
 
 def _pair(text: str) -> tuple[int, int]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from phasesplit.operator.planner import Behavior, PerfModel, Planner, PlannerConfig
+from phasesplit.operator.api import Behavior
+from phasesplit.operator.planner import HPA_BEHAVIOR, PerfModel, Planner, PlannerConfig
 from phasesplit.operator.planner.behavior import PhaseLimiter
 from phasesplit.operator.planner.snapshot import MetricsSnapshot
 from phasesplit.operator.sim.profile import SimProfile
@@ -81,7 +82,7 @@ class HpaQueuePolicy:
 
     target: float
     max_replicas: int
-    behavior: Behavior = field(default_factory=Behavior)
+    behavior: Behavior = field(default_factory=lambda: HPA_BEHAVIOR)
     tolerance: float = 0.1
 
     def __post_init__(self) -> None:

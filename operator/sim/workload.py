@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import csv
 import math
 import random
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
+
+from phasesplit.runtime.bench import workload as bench_workload
 
 GENERATED = ("steady", "bursty", "diurnal", "shift")
 
@@ -76,40 +76,19 @@ def generate(kind: str, duration: float, rate: float, seed: int) -> list[Request
     return out
 
 
-def _timestamp(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    # The Azure trace writes 7 fraction digits; datetime takes at most 6.
-    head, dot, frac = text.strip().partition(".")
-    clean = head + (dot + frac[:6] if dot else "")
-    return datetime.fromisoformat(clean).timestamp()
-
-
 def read_trace(path: str | Path, time_scale: float = 1.0, token_scale: float = 1.0,
                duration: float | None = None) -> list[Request]:
-    """Read TIMESTAMP, ContextTokens, GeneratedTokens; times become seconds from the first row.
+    """An Azure LLM inference trace CSV (read by the bench tool's reader); times become seconds
+    from the first row.
 
     time_scale > 1 compresses time (more requests per second); token_scale multiplies both
     token counts. duration (after scaling) cuts the trace.
     """
-    rows = []
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        need = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}
-        if not reader.fieldnames or not need <= set(reader.fieldnames):
-            raise ValueError(f"{path}: need columns {sorted(need)}, found {reader.fieldnames}")
-        for row in reader:
-            rows.append((_timestamp(row["TIMESTAMP"]), int(row["ContextTokens"]), int(row["GeneratedTokens"])))
-    if not rows:
-        raise ValueError(f"{path}: no requests")
-    rows.sort()
-    t0 = rows[0][0]
     out = []
-    for t, isl, osl in rows:
-        at = (t - t0) / time_scale
+    for row in bench_workload.read_trace(path):
+        at = row.arrival_s / time_scale
         if duration is not None and at >= duration:
             break
-        out.append(Request(at, max(1, round(isl * token_scale)), max(1, round(osl * token_scale))))
+        out.append(Request(at, max(1, round(row.context_tokens * token_scale)),
+                           max(1, round(row.generated_tokens * token_scale))))
     return out

@@ -12,9 +12,10 @@ Percentiles interpolate linearly between order statistics (numpy's default).
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+
+from phasesplit.runtime import units
 
 SLO_KEYS = ("ttft", "tpot", "itl", "e2el")
 
@@ -103,26 +104,9 @@ def mean_itl(r: RequestResult) -> float | None:
 # ---------------------------------------------------------------- SLOs
 
 
-_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s)?\s*$")
-
-
 def parse_slo(text: str) -> dict[str, float]:
     """'ttft=500ms,itl=50ms' -> {'ttft': 0.5, 'itl': 0.05}. A bare number is milliseconds."""
-    out: dict[str, float] = {}
-    for part in text.split(","):
-        if not part.strip():
-            continue
-        key, sep, value = part.partition("=")
-        key = key.strip().lower()
-        if not sep or key not in SLO_KEYS:
-            raise ValueError(f"bad SLO {part.strip()!r}: use KEY=DURATION with KEY one of {', '.join(SLO_KEYS)}")
-        m = _DURATION.match(value)
-        if not m or float(m.group(1)) <= 0:
-            raise ValueError(f"bad SLO duration {value.strip()!r} for {key}: use e.g. 500ms or 0.5s")
-        out[key] = float(m.group(1)) * (1.0 if m.group(2) == "s" else 1e-3)
-    if not out:
-        raise ValueError("empty SLO: use e.g. ttft=500ms,itl=50ms")
-    return out
+    return units.parse_slo(text, SLO_KEYS)
 
 
 def slo_value(r: RequestResult, key: str) -> float | None:

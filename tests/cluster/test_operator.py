@@ -69,8 +69,15 @@ def isvc(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     return {"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": {"name": name}, "spec": spec}
 
 
+RESYNC_S = 10  # the operators' --resync-period here (5 minutes by default)
+
+
 class Operator:
-    """`phasesplit operator` as a local process with the chart ServiceAccount's credentials."""
+    """`phasesplit operator` as a local process with the chart ServiceAccount's credentials.
+
+    Its leader-election Lease goes in the release namespace, where the chart grants it (in a pod
+    that is the pod's own namespace).
+    """
 
     def __init__(self, kubeconfig: Path, log: Path, namespaces: list[str]):
         self.kubeconfig, self.log, self.namespaces = kubeconfig, log, namespaces
@@ -90,7 +97,8 @@ class Operator:
         out.flush()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "phasesplit.runtime.cli", "operator", "--liveness", self.health,
-             f"--metrics-port={metrics_port}", *[f"--namespace={ns}" for ns in self.namespaces]],
+             f"--metrics-port={metrics_port}", f"--leader-election-namespace={OPERATOR_NS}",
+             f"--resync-period={RESYNC_S}s", *[f"--namespace={ns}" for ns in self.namespaces]],
             stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         self.starts += 1
         wait_until("the operator's liveness endpoint", self._live, timeout=60)
@@ -125,6 +133,13 @@ class Operator:
 
     def tail(self, lines: int = 60) -> str:
         return "\n".join(self.log.read_text().splitlines()[-lines:])
+
+    def since_start(self) -> str:
+        """The log of the current run."""
+        return self.log.read_text().rpartition(f"===== start {self.starts - 1} =====")[2]
+
+    def leading(self) -> bool:
+        return "acquired the Lease" in self.since_start().rpartition("lost the Lease")[2]
 
 
 def _create_namespace(cluster: KubeCluster, name: str) -> None:
@@ -191,7 +206,11 @@ def namespace(kube_cluster: KubeCluster) -> Iterator[str]:
     name = f"op-{SESSION}-{uuid.uuid4().hex[:6]}"
     _create_namespace(kube_cluster, name)
     yield name
-    client.CoreV1Api(kube_cluster.api_client).delete_namespace(name)
+    try:
+        client.CoreV1Api(kube_cluster.api_client).delete_namespace(name)
+    except client.ApiException as e:
+        if e.status != 404:  # a test may have deleted it itself
+            raise
 
 
 # ---------------------------------------------------------------------------------------------
@@ -480,6 +499,7 @@ def test_killed_mid_reconcile_converges_without_duplicates(operator: Operator, k
     partial = len(view.children())
     total = sum(len(expected_children(n)) for n in names)
     print(f"\nkilled the operator with {partial}/{total} children applied")
+    assert 0 < partial < total, "the kill did not land mid-reconcile: this test checked nothing"
     operator.start()
     for n in names:
         view.wait_ready(n)
@@ -496,6 +516,96 @@ def test_killed_mid_reconcile_converges_without_duplicates(operator: Operator, k
     time.sleep(5)
     after = {k: v["metadata"]["resourceVersion"] for k, v in view.children().items()}
     assert after == before
+
+
+def _apiserver_pid(cluster: KubeCluster) -> int:
+    return int((Path(cluster.kubeconfig).parent / "pids" / "kube-apiserver").read_text())
+
+
+def test_child_deleted_around_an_api_server_outage_comes_back(operator: Operator, kube_cluster: KubeCluster):
+    """The API server hangs (SIGSTOP: connections open, nothing answers) for 30 s right after a
+    child is deleted: the operator's calls time out instead of hanging, the failed pass is
+    retried, and the child is back within a resync period of the server's return."""
+    namespace = WATCHED["restart"]
+    view = View(kube_cluster, namespace)
+    name = "outage"
+    view.apply(isvc(name, MINIMAL))
+    view.wait_ready(name)
+    old = view.core.read_namespaced_service(f"{name}-prefill", namespace).metadata.uid
+    pid = _apiserver_pid(kube_cluster)
+    view.core.delete_namespaced_service(f"{name}-prefill", namespace)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(30)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    back = time.monotonic()
+
+    def recreated():
+        try:
+            return view.core.read_namespaced_service(f"{name}-prefill", namespace).metadata.uid != old
+        except client.ApiException:
+            return False
+    # Leadership may have lapsed during the outage (the Lease could not be renewed): allow for
+    # taking it back (a Lease period) on top of the resync period.
+    wait_until("the deleted Service back", recreated, timeout=RESYNC_S + 15 + 30)
+    print(f"\nService back {time.monotonic() - back:.1f} s after the API server returned")
+    view.wait_ready(name)
+    assert operator.proc.poll() is None
+    kube_cluster.kubectl("delete", "psvc", name, "-n", namespace)
+
+
+def test_two_operators_only_one_acts(operator: Operator, kube_cluster: KubeCluster, tmp_path: Path):
+    """A second replica (same scope, same Lease) stays idle while the first leads, and takes over
+    when the leader dies."""
+    namespace = WATCHED["restart"]
+    view = View(kube_cluster, namespace)
+    wait_until("the first operator leading", operator.leading, timeout=60)
+    second = Operator(operator.kubeconfig, tmp_path / "second.log", operator.namespaces)
+    second.start()
+    try:
+        view.apply(isvc("pair", MINIMAL))
+        view.wait_ready("pair")
+        time.sleep(3)
+        assert not second.leading()
+        assert "applied" not in second.since_start(), second.tail()
+        assert f"{namespace}/pair: applied" in operator.since_start()
+        # The leader dies without handing over: the other takes the Lease once it expires.
+        operator.kill(signal.SIGKILL)
+        wait_until("the second operator leading", second.leading, timeout=60)
+        view.apply(isvc("pair", merged(MINIMAL, {"decode": {"replicas": 3}})))
+        wait_until("the change applied by the new leader",
+                   lambda: view.deployment("pair-decode").spec.replicas == 3)
+        assert f"{namespace}/pair: applied" in second.since_start()
+    finally:
+        second.kill(signal.SIGTERM)  # hands the Lease over at once
+        operator.start()
+    wait_until("the first operator leading again", operator.leading, timeout=60)
+    kube_cluster.kubectl("delete", "psvc", "pair", "-n", namespace)
+
+
+def test_namespace_deletion_with_the_operator_down_completes(operator: Operator, kube_cluster: KubeCluster,
+                                                             namespace: str, tmp_path: Path):
+    """No finalizer on InferenceServices: deleting their namespace needs no running operator."""
+    wide = Operator(operator.kubeconfig, tmp_path / "wide.log", [namespace])
+    wide.start()
+    view = View(kube_cluster, namespace)
+    try:
+        view.apply(isvc("gone", MINIMAL))
+        obj = view.wait_ready("gone")
+    finally:
+        wide.kill(signal.SIGKILL)
+    assert not obj["metadata"].get("finalizers"), obj["metadata"]
+    core = client.CoreV1Api(kube_cluster.api_client)
+    core.delete_namespace(namespace)
+
+    def gone():
+        try:
+            core.read_namespace(namespace)
+            return False
+        except client.ApiException as e:
+            return e.status == 404
+    wait_until(f"namespace {namespace} deleted", gone, timeout=120)
 
 
 def test_cluster_wide_by_default(operator: Operator, kube_cluster: KubeCluster, namespace: str,

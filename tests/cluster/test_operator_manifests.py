@@ -49,7 +49,7 @@ def test_install_yaml_is_accepted_by_the_api_server(kube_cluster: KubeCluster):
     docs = [d for d in yaml.safe_load_all((ROOT / "manifests" / "install.yaml").read_text()) if d]
     kinds = sorted({d["kind"] for d in docs})
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Deployment", "Namespace",
-                     "Service", "ServiceAccount"]
+                     "Role", "RoleBinding", "Service", "ServiceAccount"]
     # A server dry run does not create the Namespace, so the namespaced objects need it to exist.
     if kube_cluster.kubectl("get", "namespace", "phasesplit-system", check=False).returncode != 0:
         kube_cluster.kubectl("create", "namespace", "phasesplit-system")
@@ -71,6 +71,13 @@ def test_namespaced_install_renders_a_role_and_the_flag(kube_cluster: KubeCluste
     assert docs[("ClusterRole", "ps-phasesplit-crd-reader")]["rules"][0]["verbs"] == ["get", "list", "watch"]
     args = docs[("Deployment", "ps-phasesplit")]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=team-a" in args
-    cluster_wide = yaml.safe_load_all(_helm(kube_cluster, "template", "ps", str(CHART), "--kube-version",
-                                            "1.30.0").stdout)
-    assert "Role" not in {d["kind"] for d in cluster_wide if d}
+    cluster_wide = [d for d in yaml.safe_load_all(_helm(kube_cluster, "template", "ps", str(CHART), "-n", "ops",
+                                                        "--kube-version", "1.30.0").stdout) if d]
+    # Cluster-wide, the only Role is leader election's: Leases, in the operator's own namespace.
+    roles = [d for d in cluster_wide if d["kind"] == "Role"]
+    assert [(r["metadata"]["name"], r["metadata"]["namespace"]) for r in roles] == [("ps-phasesplit-leader-election", "ops")]
+    assert roles[0]["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                                  "verbs": ["get", "create", "update"]}]
+    # Both modes: the Lease namespace comes from the pod's own.
+    env = docs[("Deployment", "ps-phasesplit")]["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}} in env

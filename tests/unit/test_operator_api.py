@@ -1,6 +1,6 @@
 """The InferenceService API models: defaults, effective values and the validation rules.
 
-INVALID_SPECS is shared with tests/cluster/test_operator_validation.py, which sends the same specs
+INVALID_SPECS is shared with tests/cluster/test_operator.py, which sends the same specs
 to the real API server: pydantic and the CRD's schema/CEL rules must reject the same things.
 """
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from phasesplit.operator import reconcile
 from phasesplit.runtime.cli import build_parser
 
 
@@ -25,15 +24,33 @@ def test_operator_subcommand_flags():
 
 
 def test_every_rendered_kind_is_watched_and_prunable():
-    import kopf
+    from phasesplit.operator import api, handlers, render
 
-    from phasesplit.operator import handlers
-
-    watched = {kind for *_, kind in handlers.CHILD_RESOURCES}
-    assert watched == set(reconcile.CHILD_KINDS)
-    registry = kopf.get_default_registry()
+    # HPA mode with NetworkPolicies renders every kind there is.
+    spec = api.InferenceServiceSpec.model_validate({"model": {"name": "m", "builtin": "smollm2"},
+                                                    "autoscaling": {"mode": "HPA"}})
+    rendered = {o["kind"] for o in render.render(render.Owner("a", "ns", "uid"), spec)}
+    assert rendered == {k.kind for k in render.CHILD_KINDS}
+    registry = handlers.registry()
     selectors = {(h.selector.group, h.selector.version, h.selector.any_name)
                  for h in registry._watching.get_all_handlers()}
-    assert {(g, v, p) for g, v, p, _ in handlers.CHILD_RESOURCES} <= selectors
-    parent = {(h.selector.group, h.selector.any_name) for h in registry._changing.get_all_handlers()}
-    assert ("serving.phasesplit.io", "inferenceservices") in parent
+    assert {(k.group, k.version, k.plural) for k in render.CHILD_KINDS} <= selectors
+    assert ("serving.phasesplit.io", "v1alpha1", "inferenceservices") in selectors
+
+
+def test_no_handler_needs_a_finalizer():
+    """Only watch-event handlers: kopf puts no finalizer on InferenceServices, so deleting one (or
+    its namespace) never waits for the operator."""
+    from phasesplit.operator import handlers
+
+    registry = handlers.registry()
+    assert not registry._changing.get_all_handlers()
+    assert not registry._spawning.get_all_handlers()
+    assert not registry._indexing.get_all_handlers()
+
+
+def test_lease_is_per_watch_scope():
+    from phasesplit.operator.cli import lease_name
+
+    assert lease_name([]) == "phasesplit-operator"
+    assert lease_name(["a", "b"]) == lease_name(["b", "a", "a"]) != lease_name(["a"])

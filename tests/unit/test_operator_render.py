@@ -190,7 +190,7 @@ def test_hpa_mode_renders_autoscalers_and_leaves_replicas_to_them():
 def test_desired_replicas_seam_for_the_planner():
     spec = spec_of(prefill={"replicas": 1, "maxReplicas": 3}, decode={"replicas": 2})
     assert render.desired_replicas(spec) == {"router": 1, "prefill": 1, "decode": 2}
-    decision = api.Decision(prefill_replicas=9, decode_replicas=3, generation=4)
+    decision = render.PlannedReplicas(prefill=9, decode=3, generation=4)
     # The planner's decision wins within bounds (prefill capped at maxReplicas=3)...
     assert render.desired_replicas(spec, decision, generation=4) == {"router": 1, "prefill": 3, "decode": 3}
     # ...until the spec is edited (a newer generation): the edit wins until the next decision.

@@ -8,16 +8,15 @@ from dataclasses import replace
 
 import pytest
 
+from phasesplit.operator.api import Behavior, ScalingPolicy, ScalingRules
 from phasesplit.operator.planner import (
-    Behavior,
+    HPA_BEHAVIOR,
     DecodeProfile,
     MetricsSnapshot,
     PerfModel,
     Planner,
     PlannerConfig,
     PrefillProfile,
-    ScalingPolicy,
-    ScalingRules,
 )
 from phasesplit.operator.planner.planner import PhaseLimits
 from phasesplit.operator.planner.queueing import (
@@ -28,6 +27,16 @@ from phasesplit.operator.planner.queueing import (
 )
 
 INTERVAL = 30.0
+
+
+def rules(window_s: int, *policies: tuple[str, int, int]) -> ScalingRules:
+    return ScalingRules(stabilization_window_seconds=window_s, policies=[
+        ScalingPolicy(type=t, value=v, period_seconds=p) for t, v, p in policies])
+
+
+def behavior(**changed: ScalingRules) -> Behavior:
+    """The autoscaling/v2 defaults with some directions replaced."""
+    return HPA_BEHAVIOR.model_copy(update=changed)
 
 
 def snap(t: float, rate: float = 8.0, isl: float = 1000.0, osl: float = 200.0, **kw) -> MetricsSnapshot:
@@ -98,7 +107,7 @@ def test_bounds_hold_for_any_load(seed):
 
 def test_huge_load_goes_to_max_and_idle_goes_to_min_never_zero():
     cfg = PlannerConfig(prefill=PhaseLimits(0, 12), decode=PhaseLimits(0, 3), confirm_windows=1,
-                        behavior=Behavior(scale_down=ScalingRules(0.0, (ScalingPolicy("Percent", 100, 15),))))
+                        behavior=behavior(scale_down=rules(0, ("Percent", 100, 15))))
     planner = Planner(cfg, frozen_model())
     d = planner.plan(snap(0, rate=500.0), {"prefill": 1, "decode": 1}, 0)
     # Default up policies, selectPolicy Max: the larger of +4 pods and +100 % per 15 s.
@@ -136,7 +145,7 @@ def test_stale_metrics_hold_and_report():
 
 def slow_up() -> Behavior:
     # A long scale-up window that would delay a model-driven scale-up by 10 minutes.
-    return Behavior(scale_up=ScalingRules(600.0, (ScalingPolicy("Percent", 400, 15),)))
+    return behavior(scale_up=rules(600, ("Percent", 400, 15)))
 
 
 def test_ttft_miss_scales_prefill_at_once_in_proportion():
@@ -256,7 +265,7 @@ def test_no_flapping_on_noisy_steady_load():
     limits = dict(interval_s=INTERVAL, prefill=PhaseLimits(1, 20), decode=PhaseLimits(1, 20))
     # The noise is enough to flap a planner without damping (so this test can tell)...
     bare = PlannerConfig(**limits, confirm_windows=1, tolerance=0.0,
-                         behavior=Behavior(scale_down=ScalingRules(0.0, (ScalingPolicy("Percent", 100, 15),))))
+                         behavior=behavior(scale_down=rules(0, ("Percent", 100, 15))))
     counts = [o["prefill"] for o in run(Planner(bare, frozen_model()), seq, {"prefill": 1, "decode": 1})[4:]]
     assert _reversals_and_changes(counts)[0] >= 3, counts
     # ...and the default damping (confirmation, tolerance, stabilization) holds it steady.
@@ -277,8 +286,7 @@ def test_restart_does_not_scale_down_before_a_full_window():
 
 
 def test_scale_up_policy_limits_rate():
-    rules = ScalingRules(0.0, (ScalingPolicy("Pods", 1, 60),))
-    cfg = PlannerConfig(behavior=Behavior(scale_up=rules), prefill=PhaseLimits(1, 20))
+    cfg = PlannerConfig(behavior=behavior(scale_up=rules(0, ("Pods", 1, 60))), prefill=PhaseLimits(1, 20))
     planner = Planner(cfg, frozen_model())
     out = run(planner, [snap(t, rate=60.0) for t in range(0, 300, 30)], {"prefill": 1, "decode": 1})
     p = [o["prefill"] for o in out]

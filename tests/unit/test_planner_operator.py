@@ -26,8 +26,8 @@ def test_spec_maps_onto_planner_knobs():
     assert (cfg.decode.min_replicas, cfg.decode.max_replicas) == (1, 3)
     assert (cfg.min_pd_ratio, cfg.max_pd_ratio) == (0.5, 3)
     up, down = cfg.behavior.scale_up, cfg.behavior.scale_down
-    assert up.policies[0].type == "Pods" and up.policies[0].value == 1 and up.policies[0].period_s == 20
-    assert down.stabilization_s == 60 and down.policies == ()
+    assert up.policies[0].type == "Pods" and up.policies[0].value == 1 and up.policies[0].period_seconds == 20
+    assert down.stabilization_window_seconds == 60 and down.policies == []
 
 
 def test_no_scale_down_policy_means_unlimited():
@@ -72,3 +72,29 @@ def test_status_patch_records_decision_observation_and_condition():
     cond = later["conditions"][0]
     assert (cond["type"], cond["status"], cond["reason"]) == ("MetricsAvailable", "False", "MetricsStale")
     assert later["observed"] == patch["observed"] and later["lastDecision"] == patch["lastDecision"]
+
+
+def test_unreachable_endpoints_are_asked_again_only_after_a_backoff():
+    """Endpoints that all failed cost nothing on the next intervals (1, 2, 4 ... intervals apart),
+    until the endpoints change."""
+    import asyncio
+    import socket
+
+    from phasesplit.operator.metrics.autoscale import ServiceAutoscaler
+
+    with socket.socket() as s:  # a port nothing listens on: connection refused at once
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    scaler = ServiceAutoscaler(spec())  # interval 10 s
+    targets = {"pod-a": f"http://127.0.0.1:{closed}/metrics"}
+    current = {"prefill": 2, "decode": 1}
+
+    def asked(t: float, tg=targets) -> bool:
+        return bool(asyncio.run(scaler.step(current, tg, t)).errors)
+    assert [asked(t) for t in (0, 10, 20, 30, 40, 50, 60, 70)] == [True, False, True, False, False, True,
+                                                                   False, False]
+    # New endpoints: asked at once.
+    assert asked(80, {"pod-b": f"http://127.0.0.1:{closed}/metrics"})
+    # No ready endpoint: nothing to ask, and the decision holds.
+    result = asyncio.run(scaler.step(current, {}, 90))
+    assert result.errors == [] and result.decision.desired == current

@@ -1,0 +1,250 @@
+"""The operator at scale on the local control plane (issue 14, acceptance 5).
+
+    eval "$(hack/cluster.sh up)"
+    ~/.cache/phasesplit/venv/bin/python tests/bench/operator_scale.py [--count 1000] [--stopped-count 100]
+
+1. Adds fake (kwok) nodes with room for every pod, a fresh namespace, and starts
+   `phasesplit operator --namespace NS` as a local process (the cluster admin's kubeconfig).
+2. Creates COUNT minimal InferenceServices (default autoscaling: Planner mode) at once, from 16
+   threads, and waits until every one is Ready (condition Ready=True at its generation).
+3. Measures the operator once everything is Ready: peak RSS (VmHWM) over the whole run, CPU
+   cores used and log lines written over --idle seconds.
+4. Deletes the namespace with the operator running and times it to the namespace's end; then
+   the same for --stopped-count services with the operator stopped first (no finalizer: it must
+   not hang).
+Prints one JSON object with the figures (and a table on stderr). Removes its nodes at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client, config
+
+ROOT = Path(__file__).resolve().parents[2]
+MINIMAL = {"model": {"name": "smollm2-135m", "builtin": "smollm2"}, "prefill": {"replicas": 1},
+           "decode": {"replicas": 2}}
+GROUP, VERSION, PLURAL = "serving.phasesplit.io", "v1alpha1", "inferenceservices"
+PODS_PER_NODE = 500
+
+
+def say(msg: str) -> None:
+    print(f"[operator-scale] {msg}", file=sys.stderr, flush=True)
+
+
+def nodes(n: int, tag: str) -> list[dict[str, Any]]:
+    res = {"cpu": "1000", "memory": "4Ti", "pods": str(PODS_PER_NODE), "nvidia.com/gpu": "64"}
+    return [{"apiVersion": "v1", "kind": "Node",
+             "metadata": {"name": f"kwok-bench-{tag}-{i}", "annotations": {"kwok.x-k8s.io/node": "fake"},
+                          "labels": {"type": "kwok", "bench": tag, "kubernetes.io/os": "linux"}},
+             "status": {"capacity": res, "allocatable": res}} for i in range(n)]
+
+
+class Proc:
+    """/proc figures of one process."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.tick = os.sysconf("SC_CLK_TCK")
+
+    def cpu_s(self) -> float:
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / self.tick
+
+    def status(self, key: str) -> int:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+        raise KeyError(key)
+
+
+def start_operator(kubeconfig: str, namespace: str, log: Path) -> subprocess.Popen:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = open(log, "a")
+    proc = subprocess.Popen([sys.executable, "-m", "phasesplit.runtime.cli", "operator", f"--namespace={namespace}",
+                             f"--leader-election-namespace={namespace}",
+                             f"--liveness=http://127.0.0.1:{port}/healthz"],
+                            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                            env=dict(os.environ, KUBECONFIG=kubeconfig, PYTHONUNBUFFERED="1"))
+    import urllib.request
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the operator exited with {proc.returncode}; see {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2):
+                return proc
+        except OSError:
+            time.sleep(0.5)
+    raise SystemExit("the operator did not come up in 60 s")
+
+
+def create_all(custom: client.CustomObjectsApi, namespace: str, names: list[str]) -> None:
+    def one(name: str) -> None:
+        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceService", "metadata": {"name": name},
+                "spec": MINIMAL}
+        custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(pool.map(one, names))
+
+
+def ready_count(custom: client.CustomObjectsApi, namespace: str) -> int:
+    items = custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"]
+    n = 0
+    for obj in items:
+        st = obj.get("status") or {}
+        cond = next((c for c in st.get("conditions") or [] if c["type"] == "Ready"), None)
+        if cond and cond["status"] == "True" and st.get("observedGeneration") == obj["metadata"]["generation"]:
+            n += 1
+    return n
+
+
+def wait_ready(custom: client.CustomObjectsApi, namespace: str, count: int, timeout: float,
+               t0: float | None = None, figures: dict[str, Any] | None = None) -> float | None:
+    """Seconds from t0 until every service is Ready; figures['children_applied_s']: until the
+    operator had applied every child (all Deployments exist), which the control plane's own
+    controllers (ReplicaSets, pods, scheduling) then have to catch up with."""
+    t0 = time.monotonic() if t0 is None else t0
+    apps = client.AppsV1Api()
+    last = -1
+    while time.monotonic() - t0 < timeout:
+        if figures is not None and "children_applied_s" not in figures:
+            # A one-item page tells the total without moving every Deployment over the wire.
+            page = json.loads(apps.list_namespaced_deployment(namespace, limit=1, _preload_content=False).data)
+            deployments = len(page["items"]) + (page["metadata"].get("remainingItemCount") or 0)
+            if deployments == 3 * count:
+                figures["children_applied_s"] = round(time.monotonic() - t0, 1)
+                say(f"every child applied after {figures['children_applied_s']} s")
+        n = ready_count(custom, namespace)
+        if n != last:
+            say(f"{n}/{count} Ready after {time.monotonic() - t0:.0f} s")
+            last = n
+        if n == count:
+            return time.monotonic() - t0
+        time.sleep(2)
+    return None
+
+
+def delete_namespace(core: client.CoreV1Api, namespace: str, timeout: float) -> float | None:
+    t0 = time.monotonic()
+    core.delete_namespace(namespace)
+    while time.monotonic() - t0 < timeout:
+        try:
+            core.read_namespace(namespace)
+        except client.ApiException as e:
+            if e.status == 404:
+                return time.monotonic() - t0
+            raise
+        time.sleep(1)
+    return None
+
+
+def make_namespace(core: client.CoreV1Api, name: str) -> None:
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    for _ in range(120):
+        if core.list_namespaced_service_account(name, field_selector="metadata.name=default").items:
+            return
+        time.sleep(0.5)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--count", type=int, default=1000, help="InferenceServices applied at once")
+    ap.add_argument("--stopped-count", type=int, default=100,
+                    help="InferenceServices in the namespace deleted while the operator is stopped")
+    ap.add_argument("--idle", type=float, default=60.0, help="seconds of idle measurement once all are Ready")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for all Ready")
+    ap.add_argument("--log", default="/tmp/operator-scale.log", help="the operator's log")
+    args = ap.parse_args()
+
+    kubeconfig = os.environ.get("KUBECONFIG")
+    if not kubeconfig:
+        raise SystemExit('KUBECONFIG is not set: eval "$(hack/cluster.sh up)" first')
+    config.load_kube_config(kubeconfig)
+    core, custom = client.CoreV1Api(), client.CustomObjectsApi()
+    subprocess.run(["kubectl", "apply", "--server-side", "--force-conflicts", "-f",
+                    str(ROOT / "crds" / f"{GROUP}_{PLURAL}.yaml")], check=True, capture_output=True)
+    tag = uuid.uuid4().hex[:6]
+    pods = 4 * max(args.count, args.stopped_count)
+    fake = nodes(-(-pods // PODS_PER_NODE) + 1, tag)
+    for node in fake:
+        core.create_node(node)
+    log = Path(args.log)
+    log.write_text("")
+    figures: dict[str, Any] = {"count": args.count, "stopped_count": args.stopped_count}
+    operator = None
+    try:
+        # kwok marks its nodes Ready; the node lifecycle controller then lifts the not-ready taint.
+        for _ in range(120):
+            listed = core.list_node(label_selector=f"bench={tag}").items
+            if all(not n.spec.taints and any(c.type == "Ready" and c.status == "True"
+                                             for c in n.status.conditions or []) for n in listed):
+                break
+            time.sleep(1)
+        ns = f"scale-{tag}"
+        make_namespace(core, ns)
+        operator = start_operator(kubeconfig, ns, log)
+        proc = Proc(operator.pid)
+        names = [f"svc{i:04d}" for i in range(args.count)]
+        say(f"creating {args.count} InferenceServices in {ns}")
+        t0 = time.monotonic()
+        create_all(custom, ns, names)
+        figures["create_s"] = round(time.monotonic() - t0, 1)
+        took = wait_ready(custom, ns, args.count, args.timeout, t0, figures)
+        figures["all_ready_s"] = round(time.monotonic() - t0, 1) if took is not None else None
+        time.sleep(10)  # the last status writes and Events settle
+        cpu0, lines0, w0 = proc.cpu_s(), len(log.read_text().splitlines()), time.monotonic()
+        time.sleep(args.idle)
+        wall = time.monotonic() - w0
+        figures["idle_cores"] = round((proc.cpu_s() - cpu0) / wall, 3)
+        figures["idle_log_lines_per_s"] = round((len(log.read_text().splitlines()) - lines0) / wall, 2)
+        figures["peak_rss_mb"] = round(proc.status("VmHWM") / 2**20, 1)
+        say(f"deleting namespace {ns} with the operator running")
+        figures["delete_running_s"] = _round(delete_namespace(core, ns, args.timeout))
+
+        ns2 = f"scale-{tag}-stopped"
+        make_namespace(core, ns2)
+        operator.send_signal(signal.SIGTERM)
+        operator.wait(timeout=60)
+        operator = start_operator(kubeconfig, ns2, log)
+        create_all(custom, ns2, [f"svc{i:04d}" for i in range(args.stopped_count)])
+        wait_ready(custom, ns2, args.stopped_count, args.timeout)
+        operator.send_signal(signal.SIGKILL)
+        operator.wait()
+        operator = None
+        say(f"deleting namespace {ns2} with the operator stopped")
+        figures["delete_stopped_s"] = _round(delete_namespace(core, ns2, args.timeout))
+    finally:
+        if operator is not None:
+            operator.send_signal(signal.SIGTERM)
+            operator.wait(timeout=60)
+        for node in fake:
+            try:
+                core.delete_node(node["metadata"]["name"])
+            except client.ApiException:
+                pass
+    say(" ".join(f"{k}={v}" for k, v in figures.items()))
+    print(json.dumps(figures))
+    return 0
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
