@@ -6,9 +6,11 @@
 ARG BASE=nvidia/cuda:12.4.1-cudnn-runtime-ubuntu22.04
 FROM ${BASE}
 
-# How torch is installed. The local build passes `--no-deps torch==X <its pure-Python deps>`:
-# PyPI's wheel without its CUDA libraries (3 GB of nvidia-* wheels) runs on CPU.
+# How torch is installed, and what of it to drop. PyPI's torch (the only one reachable where
+# hack/images.sh builds) cannot import without its nvidia-* libraries, even on CPU; the local build
+# drops triton, the GPU kernel compiler (1 GB), which a CPU pod never loads.
 ARG TORCH_PIP_ARGS="torch --index-url https://download.pytorch.org/whl/cu124"
+ARG TORCH_DROP=
 # pip's cache: a throwaway directory each step removes, unless the build mounts a persistent one
 # elsewhere and points PIP_CACHE_DIR there (hack/images.sh reuses ~/.cache/phasesplit/pip).
 ARG PIP_CACHE_DIR=/tmp/pip-cache
@@ -25,7 +27,7 @@ RUN apt-get update \
  && python3 -m venv /opt/venv
 
 # torch first: its own layer, reused across phasesplit changes.
-RUN pip install $TORCH_PIP_ARGS && rm -rf /tmp/pip-cache
+RUN pip install $TORCH_PIP_ARGS && ${TORCH_DROP:+pip uninstall -y $TORCH_DROP} && rm -rf /tmp/pip-cache
 
 WORKDIR /src
 COPY pyproject.toml setup.py README.md* ./

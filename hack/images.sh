@@ -4,7 +4,7 @@
 #   base      Debian bookworm (debootstrap minbase) + python3: the BASE of both Dockerfiles here,
 #             where python:* and nvidia/cuda:* cannot be pulled
 #   pause     the pod sandbox image (hack/node/pause.c, static)
-#   runtime   docker/runtime.Dockerfile, with PyPI's torch minus its CUDA libraries (CPU-only)
+#   runtime   docker/runtime.Dockerfile, with PyPI's torch (less triton; runs on CPU and GPU)
 #   operator  docker/operator.Dockerfile
 #
 #   hack/images.sh [--import] [NAME...]   (default: all four)
@@ -24,9 +24,9 @@ state=${PHASESPLIT_CLUSTER_DIR:-${TMPDIR:-/tmp}/phasesplit-cluster-$(id -u)}
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' "$root/pyproject.toml")
 mirror=${PHASESPLIT_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 # The torch the image gets: the version the dev venv resolved (so local and pod numerics match),
-# without its nvidia-*/triton/cuda-* requirements.
+# from PyPI with its CUDA libraries (it does not import without them), less triton.
 torch_version=${PHASESPLIT_IMAGE_TORCH:-2.15.0}
-torch_args="--no-deps torch==$torch_version filelock typing-extensions sympy mpmath networkx jinja2 markupsafe fsspec setuptools"
+torch_args="torch==$torch_version"
 
 say() { echo "[images] $*" >&2; }
 die() { say "error: $*"; exit 1; }
@@ -178,7 +178,8 @@ for n in "${names[@]}"; do
   case $n in
     base) line=$(build_base | tail -n 1) ;;
     pause) line=$(build_pause | tail -n 1) ;;
-    runtime) line=$(build_dockerfile runtime --build-arg "TORCH_PIP_ARGS=$torch_args" | tail -n 1) ;;
+    runtime) line=$(build_dockerfile runtime --build-arg "TORCH_PIP_ARGS=$torch_args" --build-arg TORCH_DROP=triton \
+                      | tail -n 1) ;;
     operator) line=$(build_dockerfile operator | tail -n 1) ;;
   esac
   echo "$line"
