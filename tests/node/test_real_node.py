@@ -308,12 +308,19 @@ def test_c_openai_sdk_streams_through_the_router_service(node: Node, service, re
     assert text == reference
 
 
+def tokenizer_file(node: Node, tmp_path: Path) -> str:
+    """The served model's tokenizer, for exact prompt lengths. Neither the router nor the workers
+    serve /v1/tokenizer.json, so bench resolves the bundled model (the one the pods serve)."""
+    return "smollm2"
+
+
 def test_d_bench_60s_modest_rate_no_failures(node: Node, service, tmp_path):
     wait_served(service["url"])
     out = tmp_path / "bench.json"
+    tok = tokenizer_file(node, tmp_path)
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-m", "phasesplit.runtime.cli", "bench", "--url", service["url"],
-                        "--model", "smollm2-135m", "--input-len", "64", "--output-len", "16", "--num-prompts", "60",
+                        "--tokenizer", tok, "--model", "smollm2-135m", "--input-len", "64", "--output-len", "16", "--num-prompts", "60",
                         "--request-rate", "1", "--no-progress", "--output-json", str(out)],
                        capture_output=True, text=True, timeout=600)
     print(f"\n[d] bench took {time.monotonic() - t0:.1f} s\n{p.stdout[-2500:]}")
@@ -444,7 +451,7 @@ def test_g_planner_with_pod_metrics_scales_real_pods(node: Node, service, tmp_pa
     before = {p["metadata"]["name"] for role in ("prefill", "decode") for p in node.pods(role)}
     bench = subprocess.Popen(
         [sys.executable, "-m", "phasesplit.runtime.cli", "bench", "--url", url, "--model", "smollm2-135m",
-         "--input-len", "384", "--output-len", "32", "--num-prompts", "240", "--request-rate", "4",
+         "--tokenizer", tokenizer_file(node, tmp_path), "--input-len", "384", "--output-len", "32", "--num-prompts", "240", "--request-rate", "4",
          "--warmup", "0", "--no-progress", "--output-json", str(tmp_path / "bench.json")],
         stdout=open(tmp_path / "bench.log", "wb"), stderr=subprocess.STDOUT)
     try:
