@@ -13,4 +13,4 @@ for name, folder in ROOTS.items():
     packages.append(name)
     packages += [f"{name}.{sub}" for sub in find_namespace_packages(where=folder) if "__pycache__" not in sub]
 
-setup(packages=packages, package_dir=ROOTS, package_data={"phasesplit.operator": ["*.yaml"], "phasesplit.runtime.kernels": ["*.c"]})
+setup(packages=packages, package_dir=ROOTS, package_data={"phasesplit.operator": ["*.yaml"], "phasesplit.runtime.kernels": ["*.c", "*.h"]})

@@ -1,8 +1,17 @@
 # The operator image: kopf + the Kubernetes client + phasesplit's operator package (no torch).
 #   docker build -f docker/operator.Dockerfile -t ghcr.io/phasesplit/operator:0.1.0 .
-FROM python:3.11-slim
+# BASE: any image with python3 (>= 3.10) and its venv module; hack/images.sh passes a locally
+# bootstrapped Debian where no registry is reachable.
+ARG BASE=python:3.11-slim
+FROM ${BASE}
 
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# pip's cache: a throwaway directory each step removes, unless the build mounts a persistent one
+# elsewhere and points PIP_CACHE_DIR there (hack/images.sh reuses ~/.cache/phasesplit/pip).
+ARG PIP_CACHE_DIR=/tmp/pip-cache
+# A CA bundle for networks that intercept TLS (hack/images.sh mounts the host's); unset elsewhere.
+ARG PIP_CERT
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH
 
 WORKDIR /src
 COPY pyproject.toml setup.py README.md* ./
@@ -10,12 +19,17 @@ COPY runtime/ runtime/
 COPY operator/ operator/
 # --no-deps: the package's dependencies include the serving stack (torch); the operator needs only
 # these (httpx and prometheus-client: the autoscaler scrapes pod metrics). The runtime/ sources
-# ride along because the `phasesplit` entry point lives there.
-RUN pip install --no-deps . \
+# ride along because the `phasesplit` entry point lives there. A venv: Debian's python3 refuses
+# system-wide pip installs (PEP 668).
+RUN python3 -m venv /opt/venv \
+ && pip install --no-deps . \
  && pip install "kopf" "kubernetes" "pydantic>=2" "pyyaml" "httpx" "prometheus-client" \
- && rm -rf /src
+ && rm -rf /src /tmp/pip-cache
 
 # Non-root, numeric so that runAsNonRoot can verify it; the chart mounts /tmp as the only writable path.
+# The uid needs a passwd entry: kopf names its identity after getpass.getuser(), which raises
+# KeyError ('getpwuid(): uid not found: 65532') without one, and the operator would crash-loop.
+RUN useradd --uid 65532 --user-group --no-create-home --home-dir /tmp phasesplit
 USER 65532:65532
 WORKDIR /tmp
 EXPOSE 8080

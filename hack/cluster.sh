@@ -87,6 +87,9 @@ stop_group() {
 
 stop() {
   [[ -d $state ]] || return 0
+  # A real node (hack/node.sh) joined to this control plane goes first: it needs the API server
+  # to drain its pods.
+  if [[ -d $state/node ]]; then bash "$root/hack/node.sh" down || say "warning: hack/node.sh down failed"; fi
   # Clients first, etcd last, so nothing waits on or logs errors about a vanished server.
   stop_group kwok kube-scheduler kube-controller-manager
   stop_group kube-apiserver
@@ -273,6 +276,7 @@ up() {
   wait_for "etcd" 30 curl -fsS "http://127.0.0.1:$etcd_port/health"
 
   local pki=$state/pki
+  # A real node (hack/node.sh) is reached by its InternalIP: nothing resolves node names here.
   # Bound to loopback only. The `kubernetes` Service's Endpoints may not hold a loopback address,
   # so its reconciler is off (nothing in-cluster dials the API server: kwok runs no containers).
   # The requestheader flags publish a front-proxy CA (no such client certificate is ever issued) so
@@ -291,6 +295,7 @@ up() {
     --requestheader-extra-headers-prefix=X-Remote-Extra- \
     --endpoint-reconciler-type=none \
     --allow-privileged=true \
+    --kubelet-preferred-address-types=InternalIP,Hostname \
     --cert-dir="$state/apiserver-certs"
   wait_for "kube-apiserver /readyz" 60 kubectl_ get --raw /readyz
 
