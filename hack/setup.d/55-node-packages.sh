@@ -3,10 +3,11 @@
 # (hack/images.sh) need: containerd + runc + the CNI plugins, iptables/nftables/conntrack for
 # kube-proxy, socat (the API server relay for pods), buildah + debootstrap to build images without
 # a daemon or a registry, gcc for the static pause binary. Idempotent: nothing to do when every command is already there.
-# PHASESPLIT_SKIP_CLUSTER=1 or PHASESPLIT_SKIP_NODE=1 skips it (the node tests then skip, naming
+# Runs only with PHASESPLIT_NODE=1 (opt-in, as the node tests are);
+# PHASESPLIT_SKIP_CLUSTER=1 skips it (the node tests then skip, naming
 # this script).
 set -euo pipefail
-if [[ ${PHASESPLIT_SKIP_CLUSTER:-} == 1 || ${PHASESPLIT_SKIP_NODE:-} == 1 ]]; then
+if [[ ${PHASESPLIT_SKIP_CLUSTER:-} == 1 || ${PHASESPLIT_NODE:-} != 1 ]]; then
   exit 0
 fi
 # command -> package

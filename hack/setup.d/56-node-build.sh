@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Part of hack/setup.sh: builds (once; cached afterwards, keyed by their inputs) what the real-node
 # tests need: kubelet and kube-proxy (hack/kube-tools.sh node) and the images (hack/images.sh:
-# Debian base, pause, runtime, operator). PHASESPLIT_SKIP_CLUSTER=1 or PHASESPLIT_SKIP_NODE=1
+# Debian base, pause, runtime, operator). Runs only with PHASESPLIT_NODE=1 (opt-in, as the node tests are);
+# PHASESPLIT_SKIP_CLUSTER=1
 # skips it, as it skips those tests.
 set -euo pipefail
-if [[ ${PHASESPLIT_SKIP_CLUSTER:-} == 1 || ${PHASESPLIT_SKIP_NODE:-} == 1 ]]; then
+if [[ ${PHASESPLIT_SKIP_CLUSTER:-} == 1 || ${PHASESPLIT_NODE:-} != 1 ]]; then
   exit 0
 fi
 here=$(dirname "${BASH_SOURCE[0]}")
