@@ -12,6 +12,7 @@ planner reading that Prometheus.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -157,7 +158,7 @@ def loaded(stack, telemetry, prometheus, tmp_path_factory):
     steps = []
 
     def step() -> None:
-        result = scaler.step(current, [], time.time())  # as the operator's timer does
+        result = asyncio.run(scaler.step(current, {}, time.time()))  # as the operator's planner loop does
         assert not result.errors, result.errors
         t.decided(NAMESPACE, SERVICE, MODEL, result.decision, result.snapshot)
         steps.append(result.decision)
