@@ -99,6 +99,7 @@ class Grammars:
 
         self._ll = llguidance
         self.tokenizer = llguidance.LLTokenizer(str(tokenizer_json), eos_token=list(eos_ids))
+        self.eos = list(eos_ids)
         self.vocab = self.tokenizer.vocab_size
         self.width = logits_width
         self.words = (self.vocab + 31) // 32
@@ -120,6 +121,9 @@ class Grammars:
         for i, m in enumerate(matchers):
             m.unsafe_compute_mask_ptr(bits[i].ctypes.data, bits[i].nbytes)
         flags = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, : self.vocab]
+        stuck = ~flags.any(axis=1)
+        if stuck.any():  # a matcher past its end (e.g. ignore_eos after the document) allows only EOS
+            flags[np.ix_(stuck, self.eos)] = 1
         if self.width > self.vocab:  # padded embedding rows are never real tokens
             flags = np.pad(flags, ((0, 0), (0, self.width - self.vocab)))
         return torch.from_numpy(flags.astype(bool))

@@ -3,8 +3,8 @@
     ~/.cache/phasesplit/venv/bin/python tests/bench/constrained_batch.py [--steps 48] [--repeat 3]
 
 Runs the engine in this process (no HTTP) with a decode batch of 16 requests: first all 16 free,
-then 8 constrained by JSON schemas (tests/data/json_schemas.json) plus 8 free, all greedy with
-`ignore_eos`-like fixed lengths. It times the decode steps only (after every prompt is in). A free
+then 8 constrained by JSON schemas (arrays of tests/data/json_schemas.json's objects) plus 8 free,
+all greedy. It times the decode steps only (after every prompt is in). A free
 request's per-token cost is step_time_all_free / 16; a constrained one's is that plus its share of
 what the mixed batch adds: (step_mixed - step_all_free) / 8. Prints both and the overhead.
 """
@@ -31,7 +31,10 @@ def decode_step_time(engine: LLMEngine, constrained: int, steps: int, tag: str) 
         s = SCHEMAS[i % len(SCHEMAS)]
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": f"Give me an example {s['name']} "
                                                    f"as JSON, request {i}."}]))
-        guided = spec("json", s["schema"], "guided_json") if i < constrained else None
+        # An array of the test schema's objects: the same masks, and long enough that no
+        # constrained request completes its document within the timed steps.
+        long_doc = {"type": "array", "items": s["schema"], "minItems": 64, "maxItems": 64}
+        guided = spec("json", long_doc, "guided_json") if i < constrained else None
         # Long enough for every request to still be decoding when the timed steps end.
         engine.add_request(f"{tag}-{i}", ids, SamplingParams(max_tokens=steps + 8, temperature=0, guided=guided))
     while any(len(s.output_ids) == 0 for s in engine.seqs.values()):  # prompts in, first tokens out
