@@ -57,8 +57,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default="smollm2",
                    help="'smollm2' (the bundled GGUF), a .gguf file, or a Hugging Face directory")
-    g.add_argument("--served-model-name", default=None,
-                   help="name clients use in the API (default: derived from --model)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="name(s) clients use in the API (default: derived from --model); the --model "
+                        "value is always accepted too")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="auto: bfloat16 on CUDA and on CPUs with AVX512-BF16, else float32")

@@ -21,6 +21,10 @@ class RequestError(ValueError):
         self.param = param
 
 
+MAX_CHOICES = 16
+MAX_LOGPROBS = 20
+
+
 @dataclass
 class SamplingParams:
     # Serialised by the internal calls (disagg/messages.py), which pydantic validates: an unknown
@@ -36,6 +40,11 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
+    n: int = 1  # choices returned
+    best_of: int | None = None  # sequences generated (>= n); the n with the highest logprob are returned
+    logprobs: int | None = None  # None: off; k: the chosen token's logprob and the k most likely
+    prompt_logprobs: int | None = None  # the same for every prompt token (the first has none)
+    guided: dict[str, str] | None = None  # a structured-output constraint (engine/grammar.py spec)
 
     def validate(self) -> None:
         """Raise RequestError naming the first field out of range."""
@@ -49,6 +58,19 @@ class SamplingParams:
             raise RequestError("top_k must be >= 0 (0 turns it off)", "top_k")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise RequestError("min_tokens must be between 0 and max_tokens", "min_tokens")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise RequestError(f"n must be between 1 and {MAX_CHOICES}", "n")
+        if self.best_of is not None and not self.n <= self.best_of <= MAX_CHOICES:
+            raise RequestError(f"best_of must be between n and {MAX_CHOICES}", "best_of")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise RequestError(f"{name} must be between 0 and {MAX_LOGPROBS}", name)
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences the request runs: best_of, else n."""
+        return self.best_of or self.n
 
     @property
     def greedy(self) -> bool:
@@ -68,6 +90,12 @@ class RequestOutput:
     cached_tokens: int = 0
     error: str | None = None  # set when finish_reason is "error"
     timing: dict[str, float] | None = None  # on the last output: seconds queued, in prefill, decoding
+    index: int = 0  # which choice of an n > 1 request
+    # Per new token, when asked for: {"id", "logprob", "top": [[id, logprob], ...]} (sampling.logprobs_of).
+    logprobs: list[dict[str, Any]] | None = None
+    # On a choice's first output, when asked for: one entry per prompt token, the first None.
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    cumulative_logprob: float | None = None  # on the last output of a best_of request
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

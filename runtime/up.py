@@ -33,7 +33,7 @@ def _model_flags(args: argparse.Namespace) -> list[str]:
     for name in _FORWARD:
         value = getattr(args, name)
         if value is not None:
-            flags += [f"--{name.replace('_', '-')}", str(value)]
+            flags += [f"--{name.replace('_', '-')}", *map(str, value if isinstance(value, list) else [value])]
     if not args.prefix_caching:
         flags.append("--no-prefix-caching")
     return flags

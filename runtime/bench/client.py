@@ -85,14 +85,24 @@ async def served_models(
     if resp.status_code != 200:
         raise BenchError(f"{url} answered {error_message(resp.status_code, resp.content)}")
     try:
-        return {m["id"]: str(m.get("owned_by", "")) for m in resp.json()["data"]}
-    except (ValueError, KeyError, TypeError):
+        data = resp.json()["data"]
+        served = ServedModels((m["id"], str(m.get("owned_by", ""))) for m in data)
+        served.one_model = len({m.get("root") or m["id"] for m in data}) == 1
+    except (ValueError, KeyError, TypeError, AttributeError):
         raise BenchError(f"{url} did not return an OpenAI model list: {resp.text[:200]!r}") from None
+    return served
+
+
+class ServedModels(dict):
+    """Model id -> owned_by, in the server's order. `one_model`: every id names the same model
+    (aliases, which a server marks with a common `root` as vLLM does); the first is the default."""
+
+    one_model = False
 
 
 def choose_model(served: Mapping[str, str], wanted: str | None, base_url: str) -> str:
     if wanted is None:
-        if len(served) == 1:
+        if len(served) == 1 or getattr(served, "one_model", False):
             return next(iter(served))
         raise BenchError(f"{base_url} serves {', '.join(served) or 'no models'}; pick one with --model")
     if wanted not in served:
@@ -216,6 +226,18 @@ async def post_once(client: httpx.AsyncClient, target: Target, prompt: str, max_
         return 200, resp.json()
     except ValueError:
         return resp.status_code, f"not JSON: {resp.text[:200]!r}"
+
+
+async def remote_token_count(client: httpx.AsyncClient, target: Target, text: str) -> int | None:
+    """Tokens the server itself counts in `text` (vLLM's /tokenize, which phasesplit serves too),
+    no special tokens added; None when the server has no such endpoint."""
+    try:
+        resp = await client.post(target.base_url + "/tokenize", headers=target.headers(),
+                                 json={"model": target.model, "prompt": text, "add_special_tokens": False})
+        tokens = resp.json().get("tokens") if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return len(tokens) if isinstance(tokens, list) else None
 
 
 OPTIONAL_FIELDS = ("ignore_eos", "min_tokens", "stream_options")

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 from . import report
-from .client import BenchError, Target, choose_model, probe, served_models, stream_one
+from .client import BenchError, Target, choose_model, probe, remote_token_count, served_models, stream_one
 from .load import ErrorBreaker, Interrupted, arrival_offsets, run_schedule, trace_offsets
 from .metrics import RequestResult, summarize, summarize_by_kind
 from .workload import (
@@ -189,6 +189,14 @@ async def _run(args: argparse.Namespace, doc: dict, api_key: str | None) -> int:
         if args.ignore_eos:
             extra.update(ignore_eos=True, min_tokens=0)
         target = Target(base, model, args.endpoint, args.temperature, extra, api_key)
+        # Where the server counts tokens itself (/tokenize), check the prompts built here have the
+        # exact length it will see before measuring anything.
+        sample = builder.text(64)
+        counted = await remote_token_count(client, target, sample)
+        if counted is not None and counted != 64:
+            raise WorkloadError(f"the server's /tokenize counts {counted} tokens in a prompt built as 64 with this "
+                                "tokenizer; pass the served model's own tokenizer (--tokenizer)")
+        doc["target"]["prompt_lengths_checked_by_server"] = counted is not None
         added, notes = await probe(client, target, builder.text(16), 16)
         for n in notes:
             _say(n)

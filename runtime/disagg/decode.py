@@ -5,6 +5,7 @@ The engine reserves the prompt's KV blocks and calls `reserved`; from there a `R
 moves through
 
     RESERVED ──start──▶ ATTEMPT(url, transfer id) ──K/V + first token in──▶ DONE
+                                                  (+ the reply, if logprobs were asked for)
                               │  failed / timed out                           (engine.remote_prefilled)
                               ├──▶ next ATTEMPT (policy retry, retry-local)
                               └──▶ FALLBACK (engine.prefill_locally) or FAILED (engine.fail)
@@ -33,7 +34,7 @@ import time
 import httpx
 import torch
 
-from phasesplit.runtime.disagg.messages import PrefillCall
+from phasesplit.runtime.disagg.messages import PrefillCall, PrefillDone
 from phasesplit.runtime.engine.engine import KVConnector
 from phasesplit.runtime.engine.sequence import Sequence
 from phasesplit.runtime.kv.receiver import KVReceiver
@@ -168,10 +169,19 @@ class DecodeConnector(KVConnector):
         failure: list[str] = []
         loop = asyncio.get_running_loop()
 
+        # Logprobs come in the prefill's reply, not on the KV stream: a request that asked for
+        # them joins the batch once both are in; others as soon as the K/V has landed.
+        p = t.params
+        with_logprobs = p.logprobs is not None or p.prompt_logprobs is not None
+        landed: list[tuple[int, float]] = []
+
         def on_done(first_token: int, nbytes: int, seconds: float) -> None:  # receiver thread
             self.metrics.child(self.metrics.kv_bytes).inc(nbytes)
             self.metrics.child(self.metrics.kv_transfer).observe(seconds)
-            self.aengine.call(lambda e: e.remote_prefilled(rid, first_token, seconds))
+            if with_logprobs:
+                landed.append((first_token, seconds))
+            else:
+                self.aengine.call(lambda e: e.remote_prefilled(rid, first_token, seconds))
             loop.call_soon_threadsafe(done.set)
 
         def on_fail(why: str) -> None:  # receiver thread
@@ -187,9 +197,13 @@ class DecodeConnector(KVConnector):
                            kv_port=self.receiver.port, transfer_id=tid, skip=t.skip)
         try:
             # asyncio.wait_for, not asyncio.timeout: the runtime supports Python 3.10.
-            await asyncio.wait_for(self._call_and_wait(url, call, done), self.timeout)
+            reply = await asyncio.wait_for(self._call_and_wait(url, call, done), self.timeout)
             if failure:
                 raise RemoteError(failure[0])
+            if landed:
+                first, seconds = landed[0]
+                self.aengine.call(lambda e: e.remote_prefilled(rid, first, seconds, reply.logprob,
+                                                               reply.prompt_logprobs))
         finally:
             # Late frames of this attempt can no longer land; one already landing is waited for
             # (its connection is cut, so it ends at once) before the blocks are retried or freed.
@@ -200,8 +214,13 @@ class DecodeConnector(KVConnector):
                 if t.tid == tid:
                     t.tid = None
 
-    async def _call_and_wait(self, url: str, call: PrefillCall, done: asyncio.Event) -> None:
+    async def _call_and_wait(self, url: str, call: PrefillCall, done: asyncio.Event) -> PrefillDone:
         r = await self.client.post(url + "/internal/prefill", json=call.model_dump(mode="json"))
         if r.status_code != 200:
             raise RemoteError(f"HTTP {r.status_code}: {r.text[:200]}")
+        try:
+            reply = PrefillDone.model_validate_json(r.content)
+        except ValueError as e:
+            raise RemoteError(f"bad reply: {e}") from None
         await done.wait()
+        return reply

@@ -2,12 +2,14 @@
 
 - router → decode  POST /internal/generate  GenerateCall → NDJSON lines of RequestOutput
 - decode → prefill POST /internal/prefill   PrefillCall  → PrefillDone (the first token travels
-  once, in the KV stream's DONE frame, not in this reply)
+  once, in the KV stream's DONE frame, not in this reply; its logprob, when asked for, here)
 
 Sampling parameters travel in one form: request.SamplingParams, validated by pydantic here.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from pydantic import BaseModel, Field
 
@@ -34,3 +36,7 @@ class PrefillCall(BaseModel):
 class PrefillDone(BaseModel):
     bytes: int
     seconds: float
+    # Only when the request asked for logprobs (they are not part of the KV stream): the first
+    # token's entry and the prompt's, in RequestOutput's shapes.
+    logprob: dict[str, Any] | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None

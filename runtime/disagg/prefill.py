@@ -67,9 +67,14 @@ class PrefillConnector(KVConnector):
         rid = f"{call.request_id}/{call.transfer_id}"
         self.outgoing[rid] = _Outgoing(sender, call.skip)
         first: int | None = None
+        logprobs: dict = {}  # the first token's and the prompt's, when the request asked for them
         try:
             async for out in aengine.generate(rid, call.prompt_ids, call.params, prefill_only=True):
                 first = out.new_token_ids[0]
+                if out.logprobs:
+                    logprobs["logprob"] = out.logprobs[0]
+                if out.prompt_logprobs is not None:
+                    logprobs["prompt_logprobs"] = out.prompt_logprobs
             assert first is not None
             sender.finish(first)
             sent = await asyncio.to_thread(sender.wait, self.timeout)
@@ -81,4 +86,4 @@ class PrefillConnector(KVConnector):
             self.outgoing.pop(rid, None)
             if first is None:
                 sender.abort()
-        return PrefillDone(bytes=sent, seconds=time.monotonic() - t0)
+        return PrefillDone(bytes=sent, seconds=time.monotonic() - t0, **logprobs)

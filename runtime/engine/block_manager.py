@@ -55,10 +55,12 @@ class BlockManager:
         self.ref[block] = 1
         return block
 
-    def _prefix_hits(self, tokens: list[int]) -> list[int]:
-        """Cached blocks that hold a prefix of `tokens`, never covering the last token (it must run)."""
-        if not self.prefix_caching:
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        """Cached blocks that hold a prefix of the sequence, never covering the last token (it must
+        run), nor any prompt token when the request wants prompt logprobs (they must be computed)."""
+        if not self.prefix_caching or seq.params.prompt_logprobs is not None:
             return []
+        tokens = seq.all_ids
         hits, parent = [], b""
         usable = (len(tokens) - 1) // self.block_size
         for b in range(usable):
@@ -70,7 +72,7 @@ class BlockManager:
         return hits
 
     def can_allocate(self, seq: Sequence, extra_tokens: int = 0) -> bool:
-        hits = self._prefix_hits(seq.all_ids)
+        hits = self._prefix_hits(seq)
         reusable_free = sum(1 for b in hits if self.ref[b] == 0)
         need = self.blocks_for(len(seq) + extra_tokens) - len(hits)
         return need <= len(self.free) - reusable_free
@@ -79,7 +81,7 @@ class BlockManager:
         """Blocks for every token the sequence has now, reusing cached prefix blocks."""
         assert not seq.block_table
         tokens = seq.all_ids
-        hits = self._prefix_hits(tokens)
+        hits = self._prefix_hits(seq)
         for b in hits:
             if self.ref[b] == 0:
                 del self.free[b]
@@ -95,6 +97,31 @@ class BlockManager:
             self.hits += seq.num_computed
         if not seq.output_ids:
             seq.num_cached_prompt = seq.num_computed
+
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """Give `child` (another choice of the same prompt) the parent's computed prompt blocks.
+
+        The blocks before the one holding the last prompt token are shared (one more reference
+        each); from there the child has blocks of its own (copy-on-write at the first block the
+        choices write differently), and recomputes that tail, which gives it its own logits for
+        its first token. Returns False when the cache cannot hold the child's own blocks now."""
+        assert not child.block_table and parent.num_computed >= len(parent.prompt_ids)
+        shared = (len(child.prompt_ids) - 1) // self.block_size
+        need = self.blocks_for(len(child)) - shared
+        if need > len(self.free):
+            return False
+        for b in parent.block_table[:shared]:
+            self.ref[b] += 1
+        child.block_table = parent.block_table[:shared] + [self._take() for _ in range(need)]
+        child.num_computed = shared * self.block_size
+        child.num_registered = 0  # register_computed re-derives the chain (these blocks keep their hashes)
+        child.num_cached_prompt = parent.num_cached_prompt
+        return True
+
+    @property
+    def num_shared(self) -> int:
+        """Blocks held by more than one sequence (shared prompt prefixes, forked choices)."""
+        return sum(1 for r in self.ref if r > 1)
 
     def can_grow(self, seq: Sequence, tokens: int) -> bool:
         return self.blocks_for(tokens) - len(seq.block_table) <= len(self.free)

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from phasesplit.runtime.engine.block_manager import BlockManager
+from phasesplit.runtime.engine.grammar import GrammarError, Grammars, grammar_text
 from phasesplit.runtime.engine.model_runner import ModelRunner, RunnerConfig
-from phasesplit.runtime.engine.sampling import Sampler
+from phasesplit.runtime.engine.sampling import Sampler, choice_seed, logprobs_of
 from phasesplit.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from phasesplit.runtime.engine.sequence import Sequence, Status
 from phasesplit.runtime.model.loader import resolve
@@ -111,7 +113,11 @@ class LLMEngine:
         self.observer = observer or EngineObserver()
         self.connector = KVConnector()
         self.eos_ids = set(self.runner.cfg.eos_token_ids)
-        self.seqs: dict[str, Sequence] = {}
+        self.seqs: dict[str, Sequence] = {}  # by sequence id: a request's id, "<id>#<i>" for choice i > 0
+        self.groups: dict[str, list[Sequence]] = {}  # request id -> its choices
+        self.forks: dict[str, list[Sequence]] = {}  # request id -> choices waiting for its prompt's K/V
+        self._grammars: Grammars | None = None
+        self._tokenizer_json = files.folder / "tokenizer.json"
         self.streams: dict[str, _Stream] = {}
         self.outputs_pending: list[RequestOutput] = []
         self.remote_waiting: list[Sequence] = []  # split decode: waiting for blocks to reserve
@@ -119,6 +125,13 @@ class LLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.runner.max_model_len
+
+    @property
+    def grammars(self) -> Grammars:
+        """Built on the first constrained request: setting up the vocabulary costs ~1 s."""
+        if self._grammars is None:
+            self._grammars = Grammars(self._tokenizer_json, sorted(self.eos_ids), self.runner.cfg.vocab_size)
+        return self._grammars
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -136,17 +149,18 @@ class LLMEngine:
             raise RequestError(
                 f"the request needs {total} tokens of KV cache but this worker holds "
                 f"{self.blocks.num_blocks * self.blocks.block_size}", "max_tokens")
+        if params.guided is not None:
+            try:
+                grammar_text(params.guided)
+            except GrammarError as e:
+                raise RequestError(str(e), e.param) from None
+
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     prefill_only: bool = False, remote: bool = False) -> Sequence:
         """Queue a checked request. remote: its prompt is prefilled by another worker into
         blocks reserved here (split decode); prefill_only: stop after the first token (split prefill)."""
-        if request_id in self.seqs:
-            raise RequestError(f"duplicate request id {request_id!r}")
-        seq = Sequence(request_id, list(prompt_ids), params, prefill_only=prefill_only,
-                       status=Status.REMOTE_PREFILL if remote else Status.WAITING)
-        self.seqs[request_id] = seq
-        self.streams[request_id] = _Stream(self.tokenizer, params.stop)
+        seq = self._new_request(request_id, prompt_ids, params, remote, prefill_only)
         if remote:
             self.remote_waiting.append(seq)
             self._reserve_remote()
@@ -154,13 +168,58 @@ class LLMEngine:
             self.scheduler.add(seq)
         return seq
 
+    def _new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, remote: bool,
+                     prefill_only: bool) -> Sequence:
+        """A request's sequences: choice 0 runs the prompt; with n > 1 (or best_of) the other
+        choices wait for its K/V and then fork its blocks (`_fork`), each with its own seed stream."""
+        if request_id in self.groups:
+            raise RequestError(f"duplicate request id {request_id!r}")
+        n = 1 if prefill_only else params.num_seqs  # a prefill worker computes the shared prompt once
+        seqs = []
+        for i in range(n):
+            p = params if i == 0 else replace(params, seed=choice_seed(params.seed, i), prompt_logprobs=None)
+            sid = request_id if i == 0 else f"{request_id}#{i}"
+            status = Status.REMOTE_PREFILL if remote and i == 0 else Status.WAITING
+            seqs.append(Sequence(sid, list(prompt_ids), p, status=status, prefill_only=prefill_only,
+                                 group=request_id, index=i))
+        if params.guided is not None:  # compiled per sequence: each choice walks the grammar on its own
+            try:
+                for seq in seqs:
+                    seq.matcher = self.grammars.matcher(seq.params.guided)
+            except GrammarError as e:
+                raise RequestError(str(e), e.param) from None
+        for seq in seqs:
+            self.seqs[seq.request_id] = seq
+            self.streams[seq.request_id] = _Stream(self.tokenizer, seq.params.stop)
+        self.groups[request_id] = seqs
+        if n > 1:
+            self.forks[request_id] = seqs[1:]
+        return seqs[0]
+
+    def _fork(self, parent: Sequence) -> None:
+        """The parent's prompt is computed: its sibling choices share its blocks from here."""
+        now = time.monotonic()
+        for child in self.forks.pop(parent.group, []):
+            if child.status is Status.FINISHED:
+                continue
+            child.first_scheduled = now
+            self.observer.on_scheduled(child)
+            if self.blocks.fork(parent, child):
+                child.status = Status.RUNNING
+                self.scheduler.running.append(child)
+            else:  # no room now: queue it like a new request (the prefix cache may still share)
+                self.scheduler.add(child)
+
     def abort(self, request_id: str) -> bool:
-        """Stop a request and free its blocks at once. Returns False if it was not known."""
-        seq = self.seqs.get(request_id)
-        if seq is None:
+        """Stop a request (all its choices) and free its blocks at once. False if it was not known."""
+        seqs = self.groups.get(request_id)
+        if seqs is None:
             return False
-        seq.finish_reason = "abort"
-        self._finish(seq, time.monotonic())
+        now = time.monotonic()
+        for seq in seqs:
+            if seq.status is not Status.FINISHED:
+                seq.finish_reason = "abort"
+                self._finish(seq, now)
         return True
 
     def has_work(self) -> bool:
@@ -194,17 +253,23 @@ class LLMEngine:
                 seq.status = Status.RUNNING
                 self.scheduler.running.append(seq)
 
-    def remote_prefilled(self, request_id: str, first_token: int, transfer_s: float | None = None) -> bool:
-        """The prompt's K/V arrived: join the running batch with the prefill's first token."""
+    def remote_prefilled(self, request_id: str, first_token: int, transfer_s: float | None = None,
+                         logprob: dict[str, Any] | None = None,
+                         prompt_logprobs: list[dict[str, Any] | None] | None = None) -> bool:
+        """The prompt's K/V arrived: join the running batch with the prefill's first token (and
+        its logprob, and the prompt's, when the request asked for them); other choices fork it."""
         seq = self.seqs.get(request_id)
         if seq is None or seq.status is not Status.REMOTE_PREFILL or not seq.block_table:
             return False
         seq.num_computed = len(seq.prompt_ids)
         seq.kv_transfer_s = transfer_s
+        if prompt_logprobs is not None and seq.prompt_lp is not None:
+            seq.prompt_lp = list(prompt_logprobs)
         self.blocks.register_computed(seq)
         seq.status = Status.RUNNING
         self.scheduler.running.append(seq)
-        self.outputs_pending.append(self._append_token(seq, first_token, time.monotonic()))
+        self._fork(seq)
+        self.outputs_pending.append(self._append_token(seq, first_token, time.monotonic(), logprob))
         return True
 
     def prefill_locally(self, request_id: str) -> bool:
@@ -234,15 +299,15 @@ class LLMEngine:
         self.blocks.free_blocks(blocks)
 
     def fail(self, request_id: str, message: str) -> None:
-        """End a request with an error the client will see."""
-        seq = self.seqs.get(request_id)
-        if seq is None:
-            return
-        seq.finish_reason = "error"
-        self._finish(seq, time.monotonic())
-        self.outputs_pending.append(RequestOutput(request_id, [], "", finished=True, finish_reason="error",
-                                                  prompt_tokens=len(seq.prompt_ids),
-                                                  completion_tokens=len(seq.output_ids), error=message))
+        """End a request (all its choices) with an error the client will see."""
+        for seq in self.groups.get(request_id, []):
+            if seq.status is Status.FINISHED:
+                continue
+            seq.finish_reason = "error"
+            self._finish(seq, time.monotonic())
+            self.outputs_pending.append(RequestOutput(
+                request_id, [], "", finished=True, finish_reason="error", prompt_tokens=len(seq.prompt_ids),
+                completion_tokens=len(seq.output_ids), error=message, index=seq.index))
 
     # -- stepping ---------------------------------------------------------------------------
 
@@ -259,14 +324,38 @@ class LLMEngine:
                 self.observer.on_scheduled(seq)
         after_layer = self.connector.begin_step(batch)  # split prefill: streams each layer's K/V out
         t0 = time.perf_counter()
-        sampled, logits = self.runner.run(batch, after_layer)
+        # Constrained rows' masks depend only on tokens already accepted: compute them on the
+        # grammar thread while the forward pass runs (llguidance releases the GIL), not after it.
+        to_sample = batch.decode + [seq for seq, chunk in batch.prefill if seq.num_computed + chunk == len(seq)]
+        constrained = [seq for seq in to_sample if seq.matcher is not None]
+        masks = self.grammars.allowed_async([seq.matcher for seq in constrained]) if constrained else None
+        sampled, logits, prompt_logits = self.runner.run(batch, after_layer)
         for seq, _ in batch.prefill:
             self.blocks.register_computed(seq)
+        for seq, first, rows in prompt_logits:
+            k = seq.params.prompt_logprobs or 0
+            seq.prompt_lp.extend(logprobs_of(rows, seq.prompt_ids[first : first + len(rows)], [k] * len(rows)))
+        for seq in sampled:
+            if seq.index == 0 and seq.group in self.forks and not seq.output_ids and not seq.prefill_only:
+                self._fork(seq)
+        # Logprobs are of the model's own distribution: taken before bans and grammar masks.
+        want = [i for i, s in enumerate(sampled) if s.params.logprobs is not None or _ranked(s.params)]
+        raw = logits[want].clone() if want else None
+        allowed = None
+        if masks is not None:
+            row = {id(seq): i for i, seq in enumerate(sampled)}
+            allowed = {row[id(seq)]: m for seq, m in zip(constrained, masks.result(), strict=True)}
         banned = [self._banned(s) for s in sampled]
-        tokens = self.sampler.sample(logits, [s.params for s in sampled], banned, [len(s.output_ids) for s in sampled])
+        tokens = self.sampler.sample(logits, [s.params for s in sampled], banned, [len(s.output_ids) for s in sampled],
+                                     allowed)
+        lps: list[dict[str, Any] | None] = [None] * len(sampled)
+        if want:
+            got = logprobs_of(raw, [tokens[i] for i in want], [sampled[i].params.logprobs or 0 for i in want])
+            for i, lp in zip(want, got, strict=True):
+                lps[i] = lp
         now = time.monotonic()
-        for seq, token in zip(sampled, tokens, strict=True):
-            outputs.append(self._append_token(seq, token, now))
+        for seq, token, lp in zip(sampled, tokens, lps, strict=True):
+            outputs.append(self._append_token(seq, token, now, lp))
         self.observer.on_step(batch, time.perf_counter() - t0)
         return outputs
 
@@ -275,8 +364,13 @@ class LLMEngine:
             return []
         return sorted(self.eos_ids | set(seq.params.stop_token_ids))
 
-    def _append_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
+    def _append_token(self, seq: Sequence, token: int, now: float, lp: dict[str, Any] | None = None
+                      ) -> RequestOutput:
         seq.output_ids.append(token)
+        if seq.matcher is not None:
+            self.grammars.advance(seq.matcher, token)
+        if lp is not None:
+            seq.cumulative_logprob += lp["logprob"]
         if seq.first_token_time is None:
             seq.first_token_time = now
         self.observer.on_token(seq, now)
@@ -292,14 +386,21 @@ class LLMEngine:
             reason = "length"
         elif seq.prefill_only:
             reason = "prefilled"
-        out = RequestOutput(seq.request_id, [token], text, prompt_tokens=len(seq.prompt_ids),
-                            completion_tokens=len(seq.output_ids), cached_tokens=seq.num_cached_prompt)
+        out = RequestOutput(seq.group, [token], text, prompt_tokens=len(seq.prompt_ids),
+                            completion_tokens=len(seq.output_ids), cached_tokens=seq.num_cached_prompt,
+                            index=seq.index)
+        if p.logprobs is not None and lp is not None:
+            out.logprobs = [lp]
+        if seq.prompt_lp is not None and not seq.prompt_lp_sent:
+            out.prompt_logprobs, seq.prompt_lp_sent = seq.prompt_lp, True
         if reason is not None:
             if not stopped:
                 out.text += self.streams[seq.request_id].flush()
             seq.finish_reason = reason
             out.finished, out.finish_reason = True, reason
             out.timing = _timing(seq, now)
+            if _ranked(p):
+                out.cumulative_logprob = seq.cumulative_logprob
             self._finish(seq, now)
         return out
 
@@ -311,6 +412,10 @@ class LLMEngine:
         self.scheduler.finish(seq)
         self.seqs.pop(seq.request_id, None)
         self.streams.pop(seq.request_id, None)
+        group = self.groups.get(seq.group, [])
+        if all(s.status is Status.FINISHED for s in group):
+            self.groups.pop(seq.group, None)
+            self.forks.pop(seq.group, None)
         self.observer.on_finished(seq, now)
 
     # -- offline use --------------------------------------------------------------------------
@@ -324,11 +429,25 @@ class LLMEngine:
         for rid, prompt, p in zip(ids, prompts, plist, strict=True):
             self.check_request(len(prompt), p)
             self.add_request(rid, prompt, p)
-        while any(rid in self.seqs for rid in ids):
+        while any(rid in self.groups for rid in ids):
             for out in self.step():
-                if out.request_id in results:
+                if out.request_id in results and out.index == 0:
                     results[out.request_id].extend(out.new_token_ids)
         return [results[i] for i in ids]
+
+    def run_to_end(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> list[RequestOutput]:
+        """Run one checked request (all its choices) to completion; returns every output in order."""
+        self.check_request(len(prompt_ids), params)
+        self.add_request(request_id, prompt_ids, params)
+        outs: list[RequestOutput] = []
+        while request_id in self.groups:
+            outs.extend(o for o in self.step() if o.request_id == request_id)
+        return outs
+
+
+def _ranked(p: SamplingParams) -> bool:
+    """best_of > n: the choices are ranked by their cumulative logprob, so every token's is needed."""
+    return p.best_of is not None and p.best_of > p.n
 
 
 def _timing(seq: Sequence, now: float) -> dict[str, float]:

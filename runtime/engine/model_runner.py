@@ -185,9 +185,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, after_layer: Callable[[int], None] | None = None
-            ) -> tuple[list[Sequence], torch.Tensor]:
+            ) -> tuple[list[Sequence], torch.Tensor, list[tuple[Sequence, int, torch.Tensor]]]:
         """One forward pass. Returns the sequences that reached their end this step (they need a
-        sampled token) and their logits, row for row."""
+        sampled token) and their logits, row for row; and for sequences that asked for prompt
+        logprobs, (sequence, first prompt position predicted, logits predicting it and on)."""
         small = self.small_step_threads and not batch.prefill and len(batch.decode) <= self.small_decode_batch
         threads = self.small_step_threads if small else self.threads
         if threads != self._step_threads:
@@ -203,6 +204,7 @@ class ModelRunner:
             logits_rows.append(len(ids) - 1)
             sampled.append(seq)
         prefill_meta = []
+        prompt_rows: list[tuple[Sequence, int, list[int]]] = []
         for seq, chunk in batch.prefill:
             start = seq.num_computed
             ids.extend(seq.all_ids[start : start + chunk])
@@ -211,17 +213,32 @@ class ModelRunner:
             if start + chunk == len(seq):
                 logits_rows.append(len(ids) - 1)
                 sampled.append(seq)
+            if seq.params.prompt_logprobs is not None and seq.prompt_lp is not None:
+                # Position p predicts prompt token p + 1; those already scored (a recomputation
+                # after preemption) are not asked for again.
+                lo = max(start, len(seq.prompt_lp) - 1)
+                hi = min(start + chunk, len(seq.prompt_ids) - 1)
+                if hi > lo:
+                    base = len(ids) - chunk - start
+                    prompt_rows.append((seq, lo + 1, [base + p for p in range(lo, hi)]))
         decode = [(s.block_table, len(s)) for s in batch.decode]
         logits = None
         if self.graphs is not None and decode and not batch.prefill and after_layer is None:
             logits = self.graphs.run(decode, ids)
         if logits is None:
-            logits = self._forward(ids, pos, logits_rows, decode, prefill_meta, after_layer)
+            rows = logits_rows + [r for _, _, rs in prompt_rows for r in rs]
+            logits = self._forward(ids, pos, rows, decode, prefill_meta, after_layer)
+        prompt_logits = []
+        at = len(logits_rows)
+        for seq, first, rs in prompt_rows:
+            prompt_logits.append((seq, first, logits[at : at + len(rs)]))
+            at += len(rs)
+        logits = logits[: len(logits_rows)]
         for seq in batch.decode:
             seq.num_computed += 1
         for seq, chunk in batch.prefill:
             seq.num_computed += chunk
-        return sampled, logits
+        return sampled, logits, prompt_logits
 
     def _forward(self, ids: list[int], pos: list[int], logits_rows: list[int], decode: list[tuple[list[int], int]],
                  prefill_meta: list[tuple[list[int], int, int]], after_layer: Callable[[int], None] | None

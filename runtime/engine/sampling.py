@@ -1,4 +1,5 @@
-"""The sampler (greedy, temperature, top-k, top-p, seeds); its parameters are request.SamplingParams."""
+"""The sampler (greedy, temperature, top-k, top-p, seeds, token masks, logprobs); its parameters
+are request.SamplingParams."""
 
 from __future__ import annotations
 
@@ -6,6 +7,14 @@ import torch
 
 from phasesplit.runtime.kernels import build, cpu_argmax
 from phasesplit.runtime.request import SamplingParams
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index` of an n > 1 request: choice 0 keeps the request's own stream, so
+    n=1 is unchanged; the others get streams of their own, as reproducible as the first."""
+    if seed is None or index == 0:
+        return seed
+    return token_seed(seed ^ 0x5DEECE66D, -index - 1)
 
 
 def token_seed(seed: int, index: int) -> int:
@@ -30,12 +39,17 @@ class Sampler:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], banned: list[list[int]],
-               indices: list[int] | None = None) -> list[int]:
-        """logits: [rows, vocab] float32. banned[i]: token ids not allowed in row i (min_tokens).
-        indices[i]: which output token of its request row i is (0 for the first); default 0."""
+               indices: list[int] | None = None, allowed: dict[int, torch.Tensor] | None = None) -> list[int]:
+        """logits: [rows, vocab] float32, modified in place. banned[i]: token ids not allowed in row
+        i (min_tokens). indices[i]: which output token of its request row i is (0 for the first);
+        default 0. allowed[i]: a bool mask over the vocabulary for constrained row i (grammar)."""
         for i, ban in enumerate(banned):
             if ban:
                 logits[i, ban] = float("-inf")
+        if allowed:
+            rows = list(allowed)
+            mask = torch.stack([allowed[i] for i in rows]).to(logits.device)
+            logits[rows] = logits[rows].masked_fill(~mask, float("-inf"))
         lib = build.library() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
         out = (cpu_argmax.argmax(lib.ps_argmax_f32, logits) if lib else logits.argmax(dim=-1)).tolist()
         for i, p in enumerate(params):
@@ -62,3 +76,19 @@ class Sampler:
                 gen = self._gen[row.device] = torch.Generator(device=row.device)
             gen.manual_seed(token_seed(p.seed, index))
         return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+@torch.inference_mode()
+def logprobs_of(logits: torch.Tensor, chosen: list[int], top: list[int]) -> list[dict]:
+    """Per row: the chosen token's log-probability under the model (the raw logits: before
+    temperature, bans or grammar masks, as vLLM and OpenAI report them) and the `top[i]` most
+    likely tokens. Rows are {"id", "logprob", "top": [[id, logprob], ...]}."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    picked = lp.gather(1, torch.tensor(chosen, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
+    k = max(top, default=0)
+    vals, ids = (lp.topk(k, dim=-1) if k else (None, None))
+    out = []
+    for i, tok in enumerate(chosen):
+        pairs = list(zip(ids[i, : top[i]].tolist(), vals[i, : top[i]].tolist(), strict=True)) if top[i] else []
+        out.append({"id": tok, "logprob": picked[i], "top": [list(p) for p in pairs]})
+    return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from phasesplit.runtime.request import SamplingParams
 
@@ -35,6 +36,18 @@ class Sequence:
     num_preemptions: int = 0
     prefill_only: bool = False  # prefill worker: stop after the first token
     kv_transfer_s: float | None = None  # split mode: seconds the prompt's K/V took to arrive
+    group: str = ""  # the request this sequence is a choice of (its own id when n == 1)
+    index: int = 0  # which choice of its request
+    matcher: Any = None  # grammar matcher of a constrained request (engine/grammar.py)
+    prompt_lp: list[dict | None] | None = None  # prompt logprobs so far, when asked for ([None] first)
+    prompt_lp_sent: bool = False
+    cumulative_logprob: float = 0.0  # sum of the chosen tokens' logprobs (best_of ranks on it)
+
+    def __post_init__(self) -> None:
+        if not self.group:
+            self.group = self.request_id
+        if self.params.prompt_logprobs is not None and self.prompt_lp is None:
+            self.prompt_lp = [None]
 
     @property
     def all_ids(self) -> list[int]:

@@ -6,6 +6,7 @@ rebuilds a byte-level BPE `tokenizers.Tokenizer` from them once, at conversion t
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,20 @@ class TextTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes (a byte-level piece may be part of a UTF-8 character)."""
+        piece = self.tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        table = _byte_decoder()
+        if all(ch in table for ch in piece):
+            return bytes(table[ch] for ch in piece)
+        return piece.encode()  # an added/special token is stored as its text
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text, as logprobs report it (undecodable bytes shown as U+FFFD)."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if self.template is None:
             raise ValueError("this model has no chat template; use /v1/completions")
@@ -106,6 +121,20 @@ class IncrementalDecoder:
         else:
             self._prefix_text = window
         return delta
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte, inverted (GPT-2's bytes_to_unicode)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
 
 
 def _token_text(t: Any) -> str | None:

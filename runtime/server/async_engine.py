@@ -50,6 +50,8 @@ class AsyncEngine:
         self.streams[request_id] = (asyncio.get_running_loop(), q)
         self.inbox.put(("add", (request_id, prompt_ids, params, options)))
         finished = False
+        # Every choice of an n > 1 request ends on its own; a prefill worker runs only the first.
+        pending = 1 if options.get("prefill_only") else params.num_seqs
         try:
             while True:
                 item = await q.get()
@@ -60,8 +62,10 @@ class AsyncEngine:
                     raise GenerationFailed(item.error)
                 yield item
                 if item.finished:
-                    finished = True
-                    return
+                    pending -= 1
+                    if pending == 0:
+                        finished = True
+                        return
         finally:
             self.streams.pop(request_id, None)
             if not finished:

@@ -6,10 +6,12 @@ relay to a decode worker. Either way clients see the same API.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -18,6 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from phasesplit.runtime.engine.grammar import GrammarError
 from phasesplit.runtime.model.tokenizer import TextTokenizer
 from phasesplit.runtime.request import RequestError, RequestOutput, SamplingParams
 from phasesplit.runtime.server.metrics import Metrics
@@ -28,12 +31,20 @@ from phasesplit.runtime.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
     ChatResponseMessage,
+    ChatTokenLogprob,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    TopLogprob,
     Usage,
     error_body,
     make_id,
@@ -103,27 +114,43 @@ def install_error_handlers(app: FastAPI) -> None:
         return _error_response(APIError(e.status_code, str(e.detail), "invalid_request_error"))
 
 
-def build_openai_app(backend: Backend, served_name: str, metrics: Metrics,
+def served_names(args: argparse.Namespace, default: str) -> list[str]:
+    """The names the API answers to: --served-model-name's (or the model's own), then the --model
+    value the server was started with (as vLLM does). The first is the one metrics carry."""
+    names = args.served_model_name or [default]
+    names = [names] if isinstance(names, str) else list(names)
+    return list(dict.fromkeys([*names, args.model]))
+
+
+def build_openai_app(backend: Backend, served_name: str | list[str], metrics: Metrics,
                      ready: Callable[[], tuple[bool, str]], api_key: str | None = None) -> FastAPI:
+    names = [served_name] if isinstance(served_name, str) else list(served_name)
     app = FastAPI(title="phasesplit", docs_url=None, redoc_url=None)
     install_error_handlers(app)
     add_common_routes(app, metrics, ready)
+    tok = backend.tokenizer
 
     def check_auth(request: Request) -> None:
         if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
             raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
                            "authentication_error", code="invalid_api_key")
 
-    def check_model(name: str) -> None:
-        if name != served_name:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{served_name}'",
-                           param="model", code="model_not_found")
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in names:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves "
+                                f"{', '.join(repr(n) for n in names)}", param="model", code="model_not_found")
 
     def sampling(req: ChatCompletionRequest | CompletionRequest, prompt_len: int) -> SamplingParams:
         default_max = max(1, backend.max_model_len - prompt_len)
-        params = req.sampling(default_max)
+        try:
+            params = req.sampling(default_max)
+        except (RequestError, GrammarError) as e:
+            raise APIError(400, str(e), param=e.param) from None
         if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
             params.max_tokens = req.max_completion_tokens
+        if req.stream and params.best_of is not None and params.best_of > params.n:
+            raise APIError(400, "best_of > n cannot be streamed (the best choices are known only at the end)",
+                           param="best_of")
         try:
             backend.check_request(prompt_len, params)
         except RequestError as e:
@@ -133,7 +160,42 @@ def build_openai_app(backend: Backend, served_name: str, metrics: Metrics,
     @app.get("/v1/models")
     async def models(request: Request) -> ModelList:
         check_auth(request)
-        return ModelList(data=[ModelCard(id=served_name, max_model_len=backend.max_model_len)])
+        return ModelList(data=[ModelCard(id=n, root=names[0], max_model_len=backend.max_model_len)
+                               for n in names])
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest, request: Request) -> TokenizeResponse:
+        check_auth(request)
+        check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            try:
+                text = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages],
+                                               req.add_generation_prompt)
+            except ValueError as e:
+                raise APIError(400, str(e), param="messages") from None
+            ids = tok.encode(text)
+        else:
+            ids = tok.encode(req.prompt) if req.add_special_tokens else tok.tok.encode(
+                req.prompt, add_special_tokens=False).ids
+        return TokenizeResponse(count=len(ids), max_model_len=backend.max_model_len, tokens=ids,
+                                token_strs=[tok.token_text(t) for t in ids])
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+        check_auth(request)
+        check_model(req.model)
+        if any(not 0 <= t < tok.vocab_size for t in req.tokens):
+            raise APIError(400, "token ids must be within the vocabulary", param="tokens")
+        return DetokenizeResponse(prompt=tok.decode(req.tokens))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> dict[str, Any]:
+        """vLLM's: what a client needs to tokenize as the server does (lm-eval's remote tokenizer)."""
+        check_auth(request)
+        return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+                "pad_token": None, "model_max_length": backend.max_model_len, "vocab_size": tok.vocab_size}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -149,20 +211,25 @@ def build_openai_app(backend: Backend, served_name: str, metrics: Metrics,
                 raise APIError(400, "only one prompt per request is supported", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = backend.tokenizer.encode(prompt)
+            ids = tok.encode(prompt)
         else:
             ids = list(prompt)
-            if any(not 0 <= t < backend.tokenizer.vocab_size for t in ids):
+            if any(not 0 <= t < tok.vocab_size for t in ids):
                 raise APIError(400, "prompt token ids must be within the vocabulary", param="prompt")
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt")
         params = sampling(req, len(ids))
         rid = make_id("cmpl")
+        echo = tok.decode(ids) if req.echo else None
         if req.stream:
-            return _stream(request, rid, _completion_chunks(backend, rid, ids, params, req))
-        text, reason, usage, timing = await _collect(request, backend, rid, ids, params)
-        return CompletionResponse(id=rid, model=req.model, choices=[CompletionChoice(text=text, finish_reason=reason)],
-                                  usage=usage, phasesplit_timing=timing)
+            return _stream(request, rid, _completion_chunks(backend, rid, ids, params, req, echo))
+        result = await _collect(request, backend, rid, ids, params)
+        choices = [CompletionChoice(index=i, text=(echo or "") + c.text, finish_reason=c.finish_reason,
+                                    logprobs=_completion_logprobs(tok, c, req.echo) if req.logprobs is not None
+                                    else None)
+                   for i, c in enumerate(result.best(params))]
+        return CompletionResponse(id=rid, model=req.model, choices=choices, usage=result.usage(),
+                                  phasesplit_timing=result.timing)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request):
@@ -172,17 +239,20 @@ def build_openai_app(backend: Backend, served_name: str, metrics: Metrics,
             raise APIError(400, "messages must not be empty", param="messages")
         try:
             msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
-            prompt = backend.tokenizer.apply_chat_template(msgs, req.add_generation_prompt)
+            prompt = tok.apply_chat_template(msgs, req.add_generation_prompt)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
-        ids = backend.tokenizer.encode(prompt)
+        ids = tok.encode(prompt)
         params = sampling(req, len(ids))
         rid = make_id("chatcmpl")
         if req.stream:
             return _stream(request, rid, _chat_chunks(backend, rid, ids, params, req))
-        text, reason, usage, timing = await _collect(request, backend, rid, ids, params)
-        return ChatCompletionResponse(id=rid, model=req.model, usage=usage, phasesplit_timing=timing, choices=[
-            ChatChoice(message=ChatResponseMessage(content=text), finish_reason=reason)])
+        result = await _collect(request, backend, rid, ids, params)
+        choices = [ChatChoice(index=i, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason,
+                              logprobs=_chat_logprobs(tok, c.logprobs) if req.logprobs else None)
+                   for i, c in enumerate(result.best(params))]
+        return ChatCompletionResponse(id=rid, model=req.model, usage=result.usage(), phasesplit_timing=result.timing,
+                                      choices=choices)
 
     return app
 
@@ -193,23 +263,106 @@ def _finish_reason(out: RequestOutput) -> str | None:
     return "length" if out.finish_reason == "length" else "stop"
 
 
-def _usage(out: RequestOutput) -> Usage:
-    return Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-                 total_tokens=out.prompt_tokens + out.completion_tokens,
+def _usage(out: RequestOutput, completion_tokens: int | None = None) -> Usage:
+    completion = out.completion_tokens if completion_tokens is None else completion_tokens
+    return Usage(prompt_tokens=out.prompt_tokens, completion_tokens=completion,
+                 total_tokens=out.prompt_tokens + completion,
                  prompt_tokens_details={"cached_tokens": out.cached_tokens})
 
 
-async def _collect(request: Request, backend: Backend, rid: str, ids: list[int], params: SamplingParams
-                   ) -> tuple[str, str | None, Usage, dict[str, float] | None]:
-    """Run a non-streaming request; abort it if the client goes away."""
-    parts: list[str] = []
+# -- logprobs in the response shapes ---------------------------------------------------------
+
+
+def _chat_logprobs(tok: TextTokenizer, entries: list[dict[str, Any]]) -> ChatLogprobs:
+    def top(tid: int, lp: float) -> TopLogprob:
+        return TopLogprob(token=tok.token_text(tid), logprob=lp, bytes=list(tok.token_bytes(tid)))
+
+    return ChatLogprobs(content=[
+        ChatTokenLogprob(token=tok.token_text(e["id"]), logprob=e["logprob"], bytes=list(tok.token_bytes(e["id"])),
+                         top_logprobs=[top(t, lp) for t, lp in e["top"]])
+        for e in entries])
+
+
+def _completion_logprobs(tok: TextTokenizer, c: _Choice, echo: bool, offset: int = 0) -> CompletionLogprobs:
+    entries: list[tuple[int, dict[str, Any] | None]] = []
+    if echo and c.prompt_logprobs is not None:
+        entries += [(tid, e) for tid, e in zip(c.prompt_ids, c.prompt_logprobs, strict=True)]
+    entries += [(e["id"], e) for e in c.logprobs]
+    out = CompletionLogprobs()
+    for tid, e in entries:
+        text = tok.token_text(tid)
+        out.tokens.append(text)
+        out.text_offset.append(offset)
+        offset += len(text)
+        if e is None:  # the first prompt token: nothing predicts it
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(e["logprob"])
+        # vLLM's shape: the k most likely tokens and the chosen one.
+        tops = {tok.token_text(t): lp for t, lp in e["top"]}
+        tops.setdefault(text, e["logprob"])
+        out.top_logprobs.append(tops)
+    return out
+
+
+@dataclass
+class _Choice:
+    """One choice's outputs gathered (non-streaming)."""
+    prompt_ids: list[int]
+    parts: list[str] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
     last: RequestOutput | None = None
 
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _finish_reason(self.last) if self.last is not None else None
+
+    def add(self, out: RequestOutput) -> None:
+        self.parts.append(out.text)
+        self.logprobs.extend(out.logprobs or [])
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        self.last = out
+
+
+@dataclass
+class _Result:
+    choices: dict[int, _Choice]
+    timing: dict[str, float] | None = None
+
+    def best(self, params: SamplingParams) -> list[_Choice]:
+        """The choices to return, in index order; with best_of > n the n of highest logprob."""
+        ordered = [self.choices[i] for i in sorted(self.choices)]
+        if params.best_of is not None and params.best_of > params.n:
+            ordered.sort(key=lambda c: -(c.last.cumulative_logprob or 0.0) if c.last else 0.0)
+            ordered = ordered[: params.n]
+        # Prompt logprobs ride on choice 0's first output; every returned choice echoes them.
+        prompt_lps = next((c.prompt_logprobs for c in self.choices.values() if c.prompt_logprobs), None)
+        for c in ordered:
+            c.prompt_logprobs = c.prompt_logprobs or prompt_lps
+        return ordered
+
+    def usage(self) -> Usage:
+        lasts = [c.last for c in self.choices.values() if c.last is not None]
+        return _usage(lasts[0], sum(o.completion_tokens for o in lasts))
+
+
+async def _collect(request: Request, backend: Backend, rid: str, ids: list[int], params: SamplingParams
+                   ) -> _Result:
+    """Run a non-streaming request; abort it if the client goes away."""
+    result = _Result({})
+
     async def run() -> None:
-        nonlocal last
         async for out in backend.generate(rid, ids, params):
-            parts.append(out.text)
-            last = out
+            result.choices.setdefault(out.index, _Choice(ids)).add(out)
+            if out.timing is not None:
+                result.timing = out.timing
 
     task = asyncio.create_task(run())
     try:
@@ -226,8 +379,8 @@ async def _collect(request: Request, backend: Backend, rid: str, ids: list[int],
     except Exception as e:  # backend failure: report it as the server's fault
         log.warning("request %s failed: %s", rid, e)
         raise APIError(503, f"generation failed: {e}", "server_error") from None
-    assert last is not None
-    return "".join(parts), _finish_reason(last), _usage(last), last.timing
+    assert result.choices
+    return result
 
 
 def _sse(obj: Any) -> str:
@@ -261,27 +414,41 @@ async def _guarded(gen: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOu
 
 async def _events(outputs: AsyncIterator[RequestOutput], include_usage: bool,
                   chunk: Callable[[RequestOutput | None, Usage | None], Any]) -> AsyncIterator[str]:
-    """SSE events of one request: a chunk per text delta, an optional usage chunk, then [DONE].
+    """SSE events of one request: a chunk per text delta of any choice (choices interleave, each
+    chunk naming its `index`), an optional usage chunk, then [DONE].
 
     `chunk(out, None)` builds a delta chunk, `chunk(None, usage)` the usage chunk.
     """
-    last = None
+    lasts: dict[int, RequestOutput] = {}
     async for out in _guarded(outputs):
         if isinstance(out, dict):  # an error event ends the stream
             yield _sse(out)
             break
-        last = out
-        if out.text or out.finished:
+        lasts[out.index] = out
+        if out.text or out.finished or out.logprobs or out.prompt_logprobs:
             yield _sse(chunk(out, None))
-    if last is not None and last.finished and include_usage:
-        yield _sse(chunk(None, _usage(last)))
+    if lasts and all(o.finished for o in lasts.values()) and include_usage:
+        first = next(iter(lasts.values()))
+        yield _sse(chunk(None, _usage(first, sum(o.completion_tokens for o in lasts.values()))))
     yield "data: [DONE]\n\n"
 
 
 def _completion_chunks(backend: Backend, rid: str, ids: list[int], params: SamplingParams,
-                       req: CompletionRequest) -> AsyncIterator[str]:
+                       req: CompletionRequest, echo: str | None) -> AsyncIterator[str]:
+    tok = backend.tokenizer
+    offsets: dict[int, int] = {}  # per choice: characters streamed so far (logprobs' text_offset)
+
     def chunk(out: RequestOutput | None, usage: Usage | None) -> CompletionResponse:
-        choices = [] if out is None else [CompletionChoice(text=out.text, finish_reason=_finish_reason(out))]
+        choices = []
+        if out is not None:
+            first = out.index not in offsets
+            text = (echo or "") + out.text if first else out.text
+            lps = None
+            if req.logprobs is not None:
+                c = _Choice(ids, logprobs=out.logprobs or [], prompt_logprobs=out.prompt_logprobs)
+                lps = _completion_logprobs(tok, c, bool(req.echo) and first, offsets.get(out.index, 0))
+            offsets[out.index] = offsets.get(out.index, 0) + len(text)
+            choices = [CompletionChoice(index=out.index, text=text, finish_reason=_finish_reason(out), logprobs=lps)]
         return CompletionResponse(id=rid, model=req.model, choices=choices, usage=usage,
                                   phasesplit_timing=out.timing if out is not None else None)
 
@@ -290,13 +457,18 @@ def _completion_chunks(backend: Backend, rid: str, ids: list[int], params: Sampl
 
 async def _chat_chunks(backend: Backend, rid: str, ids: list[int], params: SamplingParams,
                        req: ChatCompletionRequest) -> AsyncIterator[str]:
+    tok = backend.tokenizer
+
     def chunk(out: RequestOutput | None, usage: Usage | None) -> ChatCompletionChunk:
-        choices = [] if out is None else [ChatChunkChoice(delta=ChatDelta(content=out.text or None),
-                                                          finish_reason=_finish_reason(out))]
+        choices = []
+        if out is not None:
+            lps = _chat_logprobs(tok, out.logprobs or []) if req.logprobs else None
+            choices = [ChatChunkChoice(index=out.index, delta=ChatDelta(content=out.text or None),
+                                       finish_reason=_finish_reason(out), logprobs=lps)]
         return ChatCompletionChunk(id=rid, model=req.model, choices=choices, usage=usage,
                                    phasesplit_timing=out.timing if out is not None else None)
 
     yield _sse(ChatCompletionChunk(id=rid, model=req.model, choices=[
-        ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))]))
+        ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")) for i in range(params.n)]))
     async for event in _events(backend.generate(rid, ids, params), req.include_usage, chunk):
         yield event

@@ -8,7 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from phasesplit.runtime.request import SamplingParams
+from phasesplit.runtime.engine.grammar import spec as grammar_spec
+from phasesplit.runtime.request import MAX_CHOICES, MAX_LOGPROBS, RequestError, SamplingParams
 
 
 class _Request(BaseModel):
@@ -25,18 +26,50 @@ class _Request(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     user: str | None = None
+    response_format: dict[str, Any] | None = None
     # vLLM extensions
     top_k: int = 0
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
+    def _choices(cls, v: int) -> int:
+        if not 1 <= v <= MAX_CHOICES:
+            raise ValueError(f"must be between 1 and {MAX_CHOICES}")
         return v
+
+    def guided(self) -> dict[str, str] | None:
+        """The structured-output constraint asked for, as the engine's spec;
+        RequestError naming the field for a malformed one (the schema itself is checked where it is compiled)."""
+        found = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                found.append(grammar_spec("json_object", None, "response_format"))
+            elif kind == "json_schema":
+                js = rf.get("json_schema")
+                if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+                    raise RequestError("response_format.json_schema must be an object with a 'schema' object",
+                                       "response_format.json_schema")
+                found.append(grammar_spec("json", js["schema"], "response_format.json_schema.schema"))
+            elif kind != "text":
+                raise RequestError(f"response_format.type must be 'text', 'json_object' or 'json_schema', not {kind!r}",
+                                   "response_format.type")
+        for field, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                            ("guided_grammar", "grammar")):
+            value = getattr(self, field)
+            if value is not None:
+                found.append(grammar_spec(kind, value, field))
+        if len(found) > 1:
+            raise RequestError("only one of response_format (json) and guided_* may be given", found[1]["param"])
+        return found[0] if found else None
 
     def sampling(self, default_max: int) -> SamplingParams:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -51,6 +84,8 @@ class _Request(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
+            n=self.n,
+            guided=self.guided(),
         )
 
     @property
@@ -61,7 +96,15 @@ class _Request(BaseModel):
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+
+    def sampling(self, default_max: int) -> SamplingParams:
+        p = super().sampling(default_max)
+        p.logprobs = self.logprobs
+        p.prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        p.best_of = self.best_of
+        return p
 
 
 class ChatMessage(BaseModel):
@@ -86,6 +129,15 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def sampling(self, default_max: int) -> SamplingParams:
+        p = super().sampling(default_max)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+        p.logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return p
 
 
 class Usage(BaseModel):
@@ -103,11 +155,20 @@ def now() -> int:
     return int(time.time())
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, top_logprobs as {token: logprob} (with the
+    chosen token, as vLLM has it); prompt tokens first with echo, the first one's entries None."""
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -126,11 +187,25 @@ class ChatResponseMessage(BaseModel):
     content: str | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatResponseMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -152,7 +227,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -170,12 +245,40 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now)
     owned_by: str = "phasesplit"
+    root: str | None = None  # the model this name serves (aliases share it), as vLLM lists it
     max_model_len: int | None = None
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the model's template."""
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,

@@ -23,11 +23,12 @@ import httpx
 from fastapi import FastAPI
 
 from phasesplit.runtime.disagg.messages import GenerateCall
+from phasesplit.runtime.engine.grammar import GrammarError, grammar_text
 from phasesplit.runtime.model.files import ModelFiles, model_info, read_config
 from phasesplit.runtime.model.tokenizer import TextTokenizer
 from phasesplit.runtime.request import RequestError, RequestOutput, SamplingParams
 from phasesplit.runtime.server.metrics import Metrics
-from phasesplit.runtime.server.openai_api import build_openai_app
+from phasesplit.runtime.server.openai_api import build_openai_app, served_names
 from phasesplit.runtime.server.routing import Pool, Worker, pick_decode, rank_prefill
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,11 @@ class RemoteBackend:
             raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens; the "
                                f"request has {prompt_len} prompt tokens plus max_tokens={params.max_tokens}",
                                "max_tokens")
+        if params.guided is not None:  # a bad schema is the client's 400 here, before any worker sees it
+            try:
+                grammar_text(params.guided)
+            except GrammarError as e:
+                raise RequestError(str(e), e.param) from None
 
     async def poll_forever(self) -> None:
         while True:
@@ -93,6 +99,7 @@ class RemoteBackend:
                             prefill_urls=[w.url for w in prefill]).model_dump(mode="json")
         start = time.monotonic()
         last = None
+        pending = params.num_seqs
         try:
             async with self.client.stream("POST", worker.url + "/internal/generate", json=body) as r:
                 if r.status_code == 400:
@@ -117,6 +124,8 @@ class RemoteBackend:
                         m.child(m.generation_tokens).inc(len(out.new_token_ids))
                     yield out
                     if out.finished:
+                        pending -= 1  # each of an n > 1 request's choices ends on its own
+                    if pending == 0:
                         m.child(m.e2e).observe(now - start)
                         m.child(m.prompt_tokens).inc(out.prompt_tokens)
                         m.success.labels(**m.labels, finished_reason=out.finish_reason or "stop").inc()
@@ -188,7 +197,8 @@ def _own_namespace() -> str:
 
 def build_router_app(args: argparse.Namespace) -> FastAPI:
     files = model_info(args.model)  # tokenizer and config only: no weights
-    name = args.served_model_name or files.name
+    names = served_names(args, files.name)
+    name = names[0]
     metrics = Metrics(name, "router")
     backend = RemoteBackend(args, files, metrics)
     def kv_usage() -> float:  # the decode pool's, as the router last saw it
@@ -207,7 +217,7 @@ def build_router_app(args: argparse.Namespace) -> FastAPI:
         return True, "ok"
 
     api_key = os.environ.get(args.api_key_env) or None
-    app = build_openai_app(backend, name, metrics, ready, api_key=api_key)
+    app = build_openai_app(backend, names, metrics, ready, api_key=api_key)
 
     @app.on_event("startup")
     async def _start() -> None:

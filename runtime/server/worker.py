@@ -13,7 +13,7 @@ from phasesplit.runtime.engine.engine import EngineConfig, LLMEngine
 from phasesplit.runtime.engine.model_runner import RunnerConfig
 from phasesplit.runtime.server.async_engine import AsyncEngine, LocalBackend
 from phasesplit.runtime.server.metrics import EngineMetrics, Metrics
-from phasesplit.runtime.server.openai_api import build_openai_app
+from phasesplit.runtime.server.openai_api import build_openai_app, served_names
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -29,7 +29,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def build_engine(args: argparse.Namespace, phase: str) -> tuple[LLMEngine, Metrics, str]:
     engine = LLMEngine(args.model, engine_config(args))
-    name = args.served_model_name or engine.model_name
+    name = served_names(args, engine.model_name)[0]
     metrics = Metrics(name, phase)
     engine.observer = EngineMetrics(metrics, engine)
     metrics.bind(running=lambda: len(engine.scheduler.running),
@@ -52,7 +52,7 @@ def build_colocated_app(args: argparse.Namespace) -> FastAPI:
     engine, metrics, name = build_engine(args, "both")
     aengine = AsyncEngine(engine)
     api_key = os.environ.get(args.api_key_env) or None
-    app = build_openai_app(LocalBackend(aengine), name, metrics,
+    app = build_openai_app(LocalBackend(aengine), served_names(args, engine.model_name), metrics,
                            ready=lambda: (aengine.error is None, str(aengine.error or "ok")), api_key=api_key)
     add_debug_routes(app, engine)
     app.router.on_shutdown.append(aengine.shutdown)

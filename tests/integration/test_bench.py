@@ -88,6 +88,7 @@ def test_fixed_lengths_sweep_exact_and_plotted(server, tmp_path):
     doc = json.loads(out.read_text())
     assert doc["error"] is None
     assert doc["target"]["model"] == served_model(server)
+    assert doc["target"]["prompt_lengths_checked_by_server"] is True  # through the server's /tokenize
     assert [r["rate_label"] for r in doc["runs"]] == ["4", "inf"]
     for run in doc["runs"]:
         s = run["summary"]

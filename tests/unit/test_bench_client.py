@@ -4,6 +4,7 @@ import pytest
 
 from phasesplit.runtime.bench.client import (
     BenchError,
+    ServedModels,
     Target,
     _chunk_text,
     _parse_timing,
@@ -39,6 +40,9 @@ def test_error_message_shapes():
 
 def test_choose_model():
     assert choose_model({"a": "x"}, None, "u") == "a"
+    aliases = ServedModels({"a": "x", "b": "x"})
+    aliases.one_model = True  # one model under two names: the first is the default
+    assert choose_model(aliases, None, "u") == "a" and choose_model(aliases, "b", "u") == "b"
     assert choose_model({"a": "x", "b": "y"}, "b", "u") == "b"
     with pytest.raises(BenchError, match="pick one with --model"):
         choose_model({"a": "x", "b": "y"}, None, "u")

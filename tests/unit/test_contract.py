@@ -55,7 +55,7 @@ def test_rendered_commands_parse_with_the_runtime_parser(name):
         seen.add(component)
         assert args.command == "serve" and args.role == component
         assert (args.host, args.port) == ("0.0.0.0", api.HTTP_PORT)
-        assert args.model == render.model_arg(spec) and args.served_model_name == spec.model.name
+        assert args.model == render.model_arg(spec) and args.served_model_name == [spec.model.name]
         assert (args.dtype, args.device, args.block_size) == (spec.runtime.dtype, spec.runtime.device,
                                                               spec.runtime.block_size)
         assert args.max_model_len == spec.runtime.max_model_len
