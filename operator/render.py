@@ -7,6 +7,7 @@ rolls) and what lets the unit tests check every field without a cluster.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,10 @@ OPERATOR_POD_LABELS = {"app.kubernetes.io/name": APP_NAME, COMPONENT_LABEL: "ope
 API_KEY_ENV = "PHASESPLIT_API_KEY"
 MODEL_MOUNT = "/models"
 RUNTIME_UID = 1000
+# Seconds a terminating pod keeps serving before SIGTERM, while its endpoint is marked
+# terminating: the router's EndpointSlice watch and the Services stop sending to it first.
+PRESTOP_DELAY_S = 5
+GRACE_MARGIN_S = 10  # after the drain timeout: the process's own shutdown
 
 
 
@@ -156,6 +161,7 @@ def container_args(owner: Owner, spec: api.InferenceServiceSpec, component: str)
                  f"--on-prefill-failure={_FAILURE_POLICY[kv.failure_policy]}",
                  f"--prefill-timeout={_seconds(kv.timeout)}",
                  f"--local-prefill-threshold={spec.decode.local_prefill_threshold}"]
+    args.append(f"--drain-timeout={_seconds(spec.drain_timeout)}")
     if component == "router":
         args += ["--discovery=kubernetes", f"--namespace={owner.namespace}",
                  f"--prefill-service={owner.child('prefill')}", f"--decode-service={owner.child('decode')}",
@@ -220,6 +226,9 @@ def pod_template(owner: Owner, spec: api.InferenceServiceSpec, component: str) -
         "startupProbe": _probe("/health", periodSeconds=5, failureThreshold=120),
         "livenessProbe": _probe("/health", periodSeconds=10, timeoutSeconds=5, failureThreshold=3),
         "readinessProbe": _probe("/ready", periodSeconds=5, timeoutSeconds=5, failureThreshold=3),
+        # Drain, never cut: the delay lets discovery drop the pod before SIGTERM, after which the
+        # runtime finishes what it holds within --drain-timeout (runtime/server/drain.py).
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_DELAY_S}}},
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
@@ -235,6 +244,7 @@ def pod_template(owner: Owner, spec: api.InferenceServiceSpec, component: str) -
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
     }
     if component == "router":
         pod["serviceAccountName"] = owner.child("router")
@@ -256,6 +266,10 @@ def pod_template(owner: Owner, spec: api.InferenceServiceSpec, component: str) -
         },
         "spec": pod,
     }
+
+
+def termination_grace_seconds(spec: api.InferenceServiceSpec) -> int:
+    return PRESTOP_DELAY_S + math.ceil(api.parse_duration(spec.drain_timeout)) + GRACE_MARGIN_S
 
 
 def deployment(owner: Owner, spec: api.InferenceServiceSpec, component: str,
@@ -332,7 +346,11 @@ def network_policies(owner: Owner, spec: api.InferenceServiceSpec) -> list[dict[
     """
     http = [{"protocol": "TCP", "port": api.HTTP_PORT}]
     kv = [{"protocol": "TCP", "port": spec.kv_transfer.port}]
-    operator = {"namespaceSelector": {}, "podSelector": {"matchLabels": OPERATOR_POD_LABELS}}
+    # The operator's pods in the operator's namespace only (an empty selector matched its labels
+    # in any namespace, which anyone who can create a pod could copy).
+    operator = {"namespaceSelector": {"matchLabels": {
+                    "kubernetes.io/metadata.name": spec.network_policy.operator_namespace}},
+                "podSelector": {"matchLabels": OPERATOR_POD_LABELS}}
     rules = {
         "prefill": [{"from": [_peer(owner, "router"), _peer(owner, "decode")], "ports": http}],
         "decode": [{"from": [_peer(owner, "router")], "ports": http},
