@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from phasesplit.operator import api
+from phasesplit.runtime import internal_secret as internal
 from phasesplit.runtime import metric_names
 from phasesplit.runtime.version import VERSION
 
@@ -157,7 +158,9 @@ def container_args(owner: Owner, spec: api.InferenceServiceSpec, component: str)
             args.append(f"--max-num-batched-tokens={phase.max_num_batched_tokens}")
     if component == "decode":
         kv = spec.kv_transfer
-        args += [f"--kv-port={kv.port}", "--kv-host=$(POD_IP)",
+        # --prefill-service: the headless Service whose addresses are the prefill workers this
+        # decode worker may call (it follows no prefill URL from a request body on trust).
+        args += [f"--kv-port={kv.port}", "--kv-host=$(POD_IP)", f"--prefill-service={owner.child('prefill')}",
                  f"--on-prefill-failure={_FAILURE_POLICY[kv.failure_policy]}",
                  f"--prefill-timeout={_seconds(kv.timeout)}",
                  f"--local-prefill-threshold={spec.decode.local_prefill_threshold}"]
@@ -188,17 +191,35 @@ def _volumes(spec: api.InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
     return volumes, mounts
 
 
-def _env(spec: api.InferenceServiceSpec, component: str) -> list[dict[str, Any]]:
+def _env(owner: Owner, spec: api.InferenceServiceSpec, component: str) -> list[dict[str, Any]]:
     env = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "HOME", "value": "/tmp"},
         {"name": "XDG_CACHE_HOME", "value": "/tmp/cache"},
     ]
+    # Every pod of the service holds the internal secret (its /internal/* calls and KV handshakes).
+    env.append({"name": internal.ENV, "valueFrom": {"secretKeyRef": {"name": internal_secret_name(owner),
+                                                                      "key": INTERNAL_SECRET_KEY}}})
     ref = spec.router.api_key_secret_ref
     if component == "router" and ref:
         env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
     return env + [e.wire() for e in spec.runtime.env]
+
+
+INTERNAL_SECRET_KEY = "secret"
+
+
+def internal_secret_name(owner: Owner) -> str:
+    return owner.child("internal")
+
+
+def internal_secret(owner: Owner, value: str) -> dict[str, Any]:
+    """The service's internal secret, owned by it (garbage-collected with it). The value is
+    random and made once at the I/O edge (reconcile.ensure_internal_secret), which creates this
+    object only when absent and never applies it again, so the value is not rendered twice."""
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": _meta(owner, "internal"), "type": "Opaque",
+            "stringData": {INTERNAL_SECRET_KEY: value}}
 
 
 def _probe(path: str, **timing: int) -> dict[str, Any]:
@@ -218,7 +239,7 @@ def pod_template(owner: Owner, spec: api.InferenceServiceSpec, component: str) -
         "command": ["phasesplit"],
         "args": container_args(owner, spec, component),
         "ports": ports,
-        "env": _env(spec, component),
+        "env": _env(owner, spec, component),
         "resources": placement.resources.wire(),
         "volumeMounts": mounts,
         # Loading (and on first start converting) the model can take minutes: the startup probe

@@ -674,6 +674,10 @@ def test_scale_down_and_rollout_terminate_pods_with_the_drain_grace(operator: Op
     try:
         view.apply(isvc(name, spec))
         view.wait_ready(name)
+        secret = view.core.read_namespaced_secret(f"{name}-internal", namespace)
+        value = secret.data[render.INTERNAL_SECRET_KEY]
+        (ref,) = secret.metadata.owner_references
+        assert ref.controller and ref.uid == view.get(name)["metadata"]["uid"]
         view.apply(isvc(name, merged(spec, {"decode": {"replicas": 1}})))  # scale-down: one pod goes
         wait_until("a decode pod terminating", lambda: any("-decode-" in n for n in terminating))
         view.wait_ready(name)
@@ -696,4 +700,13 @@ def test_scale_down_and_rollout_terminate_pods_with_the_drain_grace(operator: Op
         assert "--drain-timeout=120s" in container.args
     for pod in terminating.values():
         assert pod.metadata.deletion_grace_period_seconds == grace, pod.metadata.name
+    # The internal secret: made once (the rollout did not change it), mounted into the service's
+    # pods, never logged.
+    import base64
+    assert view.core.read_namespaced_secret(f"{name}-internal", namespace).data[render.INTERNAL_SECRET_KEY] == value
+    assert len(base64.b64decode(value)) >= 32
+    for pod in pods:
+        env = {e.name: e for e in pod.spec.containers[0].env}
+        assert env["PHASESPLIT_INTERNAL_SECRET"].value_from.secret_key_ref.name == f"{name}-internal"
+    assert base64.b64decode(value).decode() not in operator.log.read_text()
     kube_cluster.kubectl("delete", "psvc", name, "-n", namespace)

@@ -217,3 +217,16 @@ def test_pods_drain_before_they_go():
             container = p["containers"][0]
             assert container["lifecycle"] == {"preStop": {"sleep": {"seconds": render.PRESTOP_DELAY_S}}}
             assert f"--drain-timeout={drain_s}s" in container["args"]
+
+
+def test_every_pod_gets_the_internal_secret_from_the_services_secret():
+    from phasesplit.runtime import internal_secret
+    objs = by_key(spec_of())
+    for c in api.COMPONENTS:
+        env = {e["name"]: e for e in pod(objs, c)["containers"][0]["env"]}
+        assert env[internal_secret.ENV]["valueFrom"] == {"secretKeyRef": {
+            "name": "chat-internal", "key": render.INTERNAL_SECRET_KEY}}
+    assert ("Secret", "chat-internal") not in objs, "never applied: its random value is made once"
+    secret = render.internal_secret(OWNER, "v" * 43)
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert secret["stringData"] == {render.INTERNAL_SECRET_KEY: "v" * 43}
