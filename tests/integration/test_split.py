@@ -304,7 +304,8 @@ def test_local_prefill_threshold_counts_uncached_tokens():
     metrics = Metrics("m", "decode")
     loop = asyncio.new_event_loop()  # never run: the transfer is only queued
     connector = DecodeConnector(SimpleNamespace(engine=engine), None, metrics, kv_host="", prefill_urls=["http://x"],
-                                policy="local", timeout=1.0, local_threshold=20)
+                                policy="local", timeout=1.0, local_threshold=20,
+                                secret="unit-test-internal-secret")
     connector.loop = loop
     engine.connector = connector
     prompt = list(range(1, 70))
