@@ -487,6 +487,10 @@ class NetworkPolicySpec(ApiModel):
     enabled: bool = Field(True, description="Render NetworkPolicies that admit only router->workers, "
                                             "decode->prefill and prefill->decode (KV port) traffic, plus "
                                             "metric scrapes by the operator.")
+    operator_namespace: str = Field(
+        "phasesplit-system", min_length=1, max_length=63,
+        description="Namespace the operator runs in: only its pods there may scrape the workers "
+                    "(the policy's operator rule selects that namespace by its kubernetes.io/metadata.name).")
 
 
 class InferenceServiceSpec(ApiModel):
@@ -514,6 +518,10 @@ class InferenceServiceSpec(ApiModel):
     network_policy: NetworkPolicySpec = Field(
         default_factory=NetworkPolicySpec, json_schema_extra=defaults_to_empty_object(),
         description="Network isolation of the worker pods.")
+    drain_timeout: Duration = Field(
+        "5m", description="How long a pod being deleted (scale-down, rollout) may take to finish the requests "
+                          "it holds: its generations stream to the end, its prefills and KV sends complete. "
+                          "Sets the pods' termination grace period (plus the preStop delay and a margin).")
 
     @model_validator(mode="after")
     def _kv_port_free(self) -> InferenceServiceSpec:

@@ -115,6 +115,21 @@ class Kube:
             if e.status != 404:
                 raise
 
+    def create_if_absent(self, obj: Mapping[str, Any]) -> bool:
+        """POST a core/v1 object (the internal Secret); False when one of its name exists."""
+        meta = obj["metadata"]
+        path = f"/api/v1/namespaces/{meta['namespace']}/{obj['kind'].lower()}s"
+
+        def create() -> bool:
+            try:
+                self._call("POST", path, body=dict(obj))
+                return True
+            except ApiException as e:
+                if e.status == 409:  # exists: keep its value (not a transient conflict to retry)
+                    return False
+                raise
+        return retrying(create)
+
     def list(self, kind: ChildKind, namespace: str | None, selector: str | None = None) -> dict[str, Any]:
         """One LIST (namespace None: the whole cluster); returns the list object (items, metadata)."""
         query = [("labelSelector", selector)] if selector else []

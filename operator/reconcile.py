@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -37,6 +38,7 @@ class Verbs(Protocol):
     def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]: ...
     def delete(self, kind: str, namespace: str, name: str) -> None: ...
     def patch_status(self, namespace: str, name: str, new_status: Mapping[str, Any]) -> None: ...
+    def create_if_absent(self, obj: Mapping[str, Any]) -> bool: ...
 
 
 def intent(obj: Mapping[str, Any]) -> str:
@@ -115,6 +117,20 @@ def _announce(emit: Emit, done: dict[str, list[str]]) -> None:
         emit("Normal", reason, _EVENT_TEXT[reason].format(", ".join(what)))
 
 
+def ensure_internal_secret(kube: Verbs, owner: Owner, done: dict[str, list[str]]) -> None:
+    """Create the service's internal secret, a random value made here, if it does not exist.
+
+    Created once and never applied again (an apply would replace the value and split the pods
+    that started with the old one); not a child kind (not watched or pruned: the owner reference
+    removes it with the service), and the operator may create Secrets but not read them. The
+    value is never logged. Called when a Deployment is created or recreated (so a Secret deleted
+    by hand comes back with the next Deployment that does; routine passes make no extra call).
+    """
+    obj = render.internal_secret(owner, secrets.token_urlsafe(32))
+    if kube.create_if_absent(obj):
+        done.setdefault("Created", []).append(f"Secret {obj['metadata']['name']}")
+
+
 def reconcile_children(kube: Verbs, owner: Owner, desired: list[dict[str, Any]],
                        observed: Mapping[Key, Mapping[str, Any]], emit: Emit,
                        known: set[Key] | frozenset[Key] = frozenset()) -> tuple[dict[Key, dict[str, Any]], list[Key]]:
@@ -130,6 +146,8 @@ def reconcile_children(kube: Verbs, owner: Owner, desired: list[dict[str, Any]],
     applied: dict[Key, dict[str, Any]] = {}
     failures: list[ApiException] = []
     done: dict[str, list[str]] = {}
+    if any(o["kind"] == "Deployment" and why in ("Created", "Recreated") for o, why in plan.apply):
+        ensure_internal_secret(kube, owner, done)  # before the pods that mount it (one call, then none)
     for obj, why in plan.apply:
         what = f"{obj['kind']} {obj['metadata']['name']}"
         try:

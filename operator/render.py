@@ -7,11 +7,13 @@ rolls) and what lets the unit tests check every field without a cluster.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from phasesplit.operator import api
+from phasesplit.runtime import internal_secret as internal
 from phasesplit.runtime import metric_names
 from phasesplit.runtime.version import VERSION
 
@@ -24,6 +26,10 @@ OPERATOR_POD_LABELS = {"app.kubernetes.io/name": APP_NAME, COMPONENT_LABEL: "ope
 API_KEY_ENV = "PHASESPLIT_API_KEY"
 MODEL_MOUNT = "/models"
 RUNTIME_UID = 1000
+# Seconds a terminating pod keeps serving before SIGTERM, while its endpoint is marked
+# terminating: the router's EndpointSlice watch and the Services stop sending to it first.
+PRESTOP_DELAY_S = 5
+GRACE_MARGIN_S = 10  # after the drain timeout: the process's own shutdown
 
 
 
@@ -152,10 +158,13 @@ def container_args(owner: Owner, spec: api.InferenceServiceSpec, component: str)
             args.append(f"--max-num-batched-tokens={phase.max_num_batched_tokens}")
     if component == "decode":
         kv = spec.kv_transfer
-        args += [f"--kv-port={kv.port}", "--kv-host=$(POD_IP)",
+        # --prefill-service: the headless Service whose addresses are the prefill workers this
+        # decode worker may call (it follows no prefill URL from a request body on trust).
+        args += [f"--kv-port={kv.port}", "--kv-host=$(POD_IP)", f"--prefill-service={owner.child('prefill')}",
                  f"--on-prefill-failure={_FAILURE_POLICY[kv.failure_policy]}",
                  f"--prefill-timeout={_seconds(kv.timeout)}",
                  f"--local-prefill-threshold={spec.decode.local_prefill_threshold}"]
+    args.append(f"--drain-timeout={_seconds(spec.drain_timeout)}")
     if component == "router":
         args += ["--discovery=kubernetes", f"--namespace={owner.namespace}",
                  f"--prefill-service={owner.child('prefill')}", f"--decode-service={owner.child('decode')}",
@@ -182,17 +191,35 @@ def _volumes(spec: api.InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
     return volumes, mounts
 
 
-def _env(spec: api.InferenceServiceSpec, component: str) -> list[dict[str, Any]]:
+def _env(owner: Owner, spec: api.InferenceServiceSpec, component: str) -> list[dict[str, Any]]:
     env = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "HOME", "value": "/tmp"},
         {"name": "XDG_CACHE_HOME", "value": "/tmp/cache"},
     ]
+    # Every pod of the service holds the internal secret (its /internal/* calls and KV handshakes).
+    env.append({"name": internal.ENV, "valueFrom": {"secretKeyRef": {"name": internal_secret_name(owner),
+                                                                      "key": INTERNAL_SECRET_KEY}}})
     ref = spec.router.api_key_secret_ref
     if component == "router" and ref:
         env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
     return env + [e.wire() for e in spec.runtime.env]
+
+
+INTERNAL_SECRET_KEY = "secret"
+
+
+def internal_secret_name(owner: Owner) -> str:
+    return owner.child("internal")
+
+
+def internal_secret(owner: Owner, value: str) -> dict[str, Any]:
+    """The service's internal secret, owned by it (garbage-collected with it). The value is
+    random and made once at the I/O edge (reconcile.ensure_internal_secret), which creates this
+    object only when absent and never applies it again, so the value is not rendered twice."""
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": _meta(owner, "internal"), "type": "Opaque",
+            "stringData": {INTERNAL_SECRET_KEY: value}}
 
 
 def _probe(path: str, **timing: int) -> dict[str, Any]:
@@ -212,7 +239,7 @@ def pod_template(owner: Owner, spec: api.InferenceServiceSpec, component: str) -
         "command": ["phasesplit"],
         "args": container_args(owner, spec, component),
         "ports": ports,
-        "env": _env(spec, component),
+        "env": _env(owner, spec, component),
         "resources": placement.resources.wire(),
         "volumeMounts": mounts,
         # Loading (and on first start converting) the model can take minutes: the startup probe
@@ -220,6 +247,9 @@ def pod_template(owner: Owner, spec: api.InferenceServiceSpec, component: str) -
         "startupProbe": _probe("/health", periodSeconds=5, failureThreshold=120),
         "livenessProbe": _probe("/health", periodSeconds=10, timeoutSeconds=5, failureThreshold=3),
         "readinessProbe": _probe("/ready", periodSeconds=5, timeoutSeconds=5, failureThreshold=3),
+        # Drain, never cut: the delay lets discovery drop the pod before SIGTERM, after which the
+        # runtime finishes what it holds within --drain-timeout (runtime/server/drain.py).
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_DELAY_S}}},
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
@@ -235,6 +265,7 @@ def pod_template(owner: Owner, spec: api.InferenceServiceSpec, component: str) -
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
     }
     if component == "router":
         pod["serviceAccountName"] = owner.child("router")
@@ -256,6 +287,10 @@ def pod_template(owner: Owner, spec: api.InferenceServiceSpec, component: str) -
         },
         "spec": pod,
     }
+
+
+def termination_grace_seconds(spec: api.InferenceServiceSpec) -> int:
+    return PRESTOP_DELAY_S + math.ceil(api.parse_duration(spec.drain_timeout)) + GRACE_MARGIN_S
 
 
 def deployment(owner: Owner, spec: api.InferenceServiceSpec, component: str,
@@ -332,7 +367,11 @@ def network_policies(owner: Owner, spec: api.InferenceServiceSpec) -> list[dict[
     """
     http = [{"protocol": "TCP", "port": api.HTTP_PORT}]
     kv = [{"protocol": "TCP", "port": spec.kv_transfer.port}]
-    operator = {"namespaceSelector": {}, "podSelector": {"matchLabels": OPERATOR_POD_LABELS}}
+    # The operator's pods in the operator's namespace only (an empty selector matched its labels
+    # in any namespace, which anyone who can create a pod could copy).
+    operator = {"namespaceSelector": {"matchLabels": {
+                    "kubernetes.io/metadata.name": spec.network_policy.operator_namespace}},
+                "podSelector": {"matchLabels": OPERATOR_POD_LABELS}}
     rules = {
         "prefill": [{"from": [_peer(owner, "router"), _peer(owner, "decode")], "ports": http}],
         "decode": [{"from": [_peer(owner, "router")], "ports": http},

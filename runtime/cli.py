@@ -97,7 +97,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--discovery", choices=("static", "kubernetes"), default="static",
                    help="router: workers from flags, or from the ready endpoints of Kubernetes Services")
     g.add_argument("--namespace", default=None, help="router: namespace of the phase Services")
-    g.add_argument("--prefill-service", default=None, help="router: headless Service of prefill workers")
+    g.add_argument("--prefill-service", default=None,
+                   help="router: headless Service of prefill workers (discovery); decode: its DNS name, whose "
+                        "addresses are the prefill workers this worker may call")
     g.add_argument("--decode-service", default=None, help="router: headless Service of decode workers")
     g.add_argument("--on-prefill-failure", choices=FAILURE_POLICIES, default="retry-local",
                    help="decode worker: what to do when a prefill worker fails or times out")
@@ -105,6 +107,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="decode worker: seconds to wait for a remote prefill")
     g.add_argument("--local-prefill-threshold", type=int, default=0,
                    help="decode worker: prompts of at most this many uncached tokens are prefilled locally")
+    g.add_argument("--drain-timeout", type=parse_seconds, default=300.0,
+                   help="on SIGTERM: how long to let requests in flight finish before exiting")
     g.add_argument("--api-key-env", default="PHASESPLIT_API_KEY",
                    help="router: env var holding the API key clients must send (unset: no auth)")
 
@@ -127,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--on-prefill-failure", choices=FAILURE_POLICIES, default="retry-local")
     up.add_argument("--prefill-timeout", type=parse_seconds, default=30.0)
     up.add_argument("--local-prefill-threshold", type=int, default=0)
+    up.add_argument("--drain-timeout", type=parse_seconds, default=300.0,
+                    help="on Ctrl-C: how long each worker may take to finish its requests")
     add_model_args(up)
 
     # Other subcommands register their own flags. Their cli modules import only argparse at

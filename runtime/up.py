@@ -1,7 +1,9 @@
 """`phasesplit up`: the local main job. Router + prefill + decode workers as child processes.
 
 Each worker is a real `phasesplit serve --role ...` process on its own loopback port (as in a
-pod), optionally pinned to its own cores, and all are stopped together on Ctrl-C or SIGTERM.
+pod), optionally pinned to its own cores, and all are stopped together on Ctrl-C or SIGTERM: each
+child drains first (finishes what it holds, up to --drain-timeout), a second Ctrl-C stops at once.
+The children share a random internal secret made here (their internal calls and KV port need it).
 A child that exits after start-up is restarted on the same port with a backoff, as a Deployment
 would restart its pod, while the others keep serving; only the user's signal stops everything.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -17,6 +20,8 @@ import sys
 import time
 
 import httpx
+
+from phasesplit.runtime import internal_secret
 
 _FORWARD = ("model", "served_model_name", "device", "dtype", "max_model_len", "block_size", "kv_cache_memory",
             "kv_cache_fraction", "max_num_seqs", "max_num_batched_tokens")
@@ -71,8 +76,8 @@ def exit_reason(returncode: int) -> str:
 
 
 class Child:
-    def __init__(self, role: str, argv: list[str], cpus: set[int] | None, url: str) -> None:
-        self.role, self.url = role, url
+    def __init__(self, role: str, argv: list[str], cpus: set[int] | None, url: str, env: dict[str, str]) -> None:
+        self.role, self.url, self.env = role, url, env
         self.cmd = [sys.executable, "-m", "phasesplit.runtime.cli", *argv]
         if cpus:
             self.cmd[0:0] = ["taskset", "-c", ",".join(map(str, sorted(cpus)))]
@@ -81,7 +86,7 @@ class Child:
         self.start()
 
     def start(self) -> None:
-        self.p = subprocess.Popen(self.cmd, start_new_session=True)
+        self.p = subprocess.Popen(self.cmd, start_new_session=True, env=self.env)
         self.started = time.monotonic()
         self.restart_at = None
 
@@ -108,7 +113,8 @@ class Child:
 def up(args: argparse.Namespace) -> int:
     host = args.host
     model = _model_flags(args)
-    common = ["--log-level", args.log_level]
+    common = ["--log-level", args.log_level, "--drain-timeout", str(args.drain_timeout)]
+    env = dict(os.environ, **{internal_secret.ENV: secrets.token_urlsafe(32)})
     children: list[Child] = []
     workers: list[tuple[str, list[str]]] = []
     if args.colocated:
@@ -121,13 +127,24 @@ def up(args: argparse.Namespace) -> int:
     cpu_sets = _cpu_sets(len(workers)) if args.pin_cpus else [None] * len(workers)
 
     def shutdown(*_: object) -> None:
+        # SIGTERM: each child drains (not ready, no new requests, finishes its streams and
+        # prefills); what is still running after the drain timeout and a margin is killed, as
+        # is everything on a second Ctrl-C.
         for c in children:
             c.stop()
-        deadline = time.monotonic() + 10
+        if any(c.p.poll() is None for c in children):
+            print(f"[up] draining (up to {args.drain_timeout:g}s; Ctrl-C again to stop at once)", flush=True)
+        deadline = time.monotonic() + args.drain_timeout + 10
+        try:
+            for c in children:
+                try:
+                    c.p.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        except KeyboardInterrupt:
+            print("[up] stopping now", flush=True)
         for c in children:
-            try:
-                c.p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            if c.p.poll() is None:
                 c.stop(signal.SIGKILL)
                 c.p.wait()
 
@@ -141,16 +158,18 @@ def up(args: argparse.Namespace) -> int:
             port = args.port if role == "both" else _free_port()
             url = f"http://{host}:{port}"
             argv = ["serve", "--role", role, "--host", host, "--port", str(port), *model, *common, *extra]
+            if role == "decode":  # the prefill workers it may call (it takes no URL from a body on trust)
+                argv += ["--prefill-urls", ",".join(urls["prefill"])]
             if cpus:
                 argv += ["--threads", str(len(cpus))]
-            children.append(Child(role, argv, cpus, url))
+            children.append(Child(role, argv, cpus, url, env))
             urls[role].append(url)
             print(f"[up] {role} worker on {url} (pid {children[-1].p.pid})"
                   + (f" (cpus {sorted(cpus)})" if cpus else ""), flush=True)
         if not args.colocated:
             router = ["serve", "--role", "router", "--host", host, "--port", str(args.port), *model, *common,
                       "--prefill-urls", ",".join(urls["prefill"]), "--decode-urls", ",".join(urls["decode"])]
-            children.append(Child("router", router, None, f"http://{host}:{args.port}"))
+            children.append(Child("router", router, None, f"http://{host}:{args.port}", env))
             print(f"[up] router on http://{host}:{args.port} (pid {children[-1].p.pid})", flush=True)
         endpoint = f"http://{host}:{args.port}"
         _wait_ready(children, endpoint)

@@ -12,7 +12,13 @@ from pathlib import Path
 
 import httpx
 
+from phasesplit.runtime import internal_secret
+
 ROOT = Path(__file__).resolve().parent.parent
+# The split workers and the router of one test stack share this (as a service's pods share the
+# Secret the operator makes); tests present it on /internal/* and the KV port.
+INTERNAL_SECRET = "test-internal-secret-" + os.urandom(8).hex()
+INTERNAL = {internal_secret.HEADER: INTERNAL_SECRET}
 
 
 def free_port() -> int:
@@ -27,7 +33,7 @@ class Proc:
     def __init__(self, args: list[str], log_path: Path, url: str | None = None) -> None:
         self.args, self.log_path, self.url = args, log_path, url
         self.log = open(log_path, "wb")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{internal_secret.ENV: INTERNAL_SECRET})
         self.p = subprocess.Popen([sys.executable, "-m", "phasesplit.runtime.cli", *args], stdout=self.log,
                                   stderr=subprocess.STDOUT, env=env, start_new_session=True)
 

@@ -26,10 +26,12 @@ engine only through AsyncEngine.call (the engine thread).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
+import secrets
+import socket
 import threading
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import torch
@@ -40,6 +42,7 @@ from phasesplit.runtime.engine.sequence import Sequence
 from phasesplit.runtime.kv.receiver import KVReceiver
 from phasesplit.runtime.kv.sender import TransferFailed
 from phasesplit.runtime.server.async_engine import AsyncEngine
+from phasesplit.runtime.server.internal_auth import headers
 from phasesplit.runtime.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -63,6 +66,40 @@ class RemotePrefill:
         self.task: asyncio.Task | None = None
 
 
+class KnownPrefill:
+    """The prefill workers this decode worker will call: its static list, or the addresses its
+    prefill Service's DNS name resolves to (a headless Service: the ready pods). A URL from a
+    request body is used only if it names one of them (no server-side request forgery)."""
+
+    REFRESH_S = 2.0  # a new prefill pod is callable within this of turning ready
+
+    def __init__(self, static_urls: list[str], service: str | None) -> None:
+        self.static = {u.rstrip("/") for u in static_urls}
+        self.service = service
+        self.addresses: set[str] = set()
+        self.resolved_at = float("-inf")
+
+    async def filter(self, urls: list[str]) -> list[str]:
+        if not urls:
+            return []
+        if self.service and time.monotonic() - self.resolved_at > self.REFRESH_S:
+            try:
+                infos = await asyncio.get_running_loop().getaddrinfo(self.service, None, type=socket.SOCK_STREAM)
+                self.addresses = {i[4][0] for i in infos}
+            except OSError as e:
+                log.warning("cannot resolve prefill service %s: %s", self.service, e)
+            self.resolved_at = time.monotonic()
+        known = [u for u in urls if u.rstrip("/") in self.static or _host(u) in self.addresses]
+        if len(known) < len(urls):
+            log.warning("ignored prefill URLs this worker does not know: %s", sorted(set(urls) - set(known))[:3])
+        return known
+
+
+def _host(url: str) -> str | None:
+    parts = urlsplit(url)
+    return parts.hostname if parts.scheme == "http" and parts.path in ("", "/") else None
+
+
 def attempts(urls: list[str], policy: str) -> list[str]:
     """The prefill workers to try, best first, under a failure policy."""
     if policy in ("local", "fail"):
@@ -74,7 +111,7 @@ class DecodeConnector(KVConnector):
     """Runs the remote prefill of reserved requests and applies the failure policy."""
 
     def __init__(self, aengine: AsyncEngine, receiver: KVReceiver, metrics: Metrics, *, kv_host: str,
-                 prefill_urls: list[str], policy: str, timeout: float, local_threshold: int) -> None:
+                 prefill_urls: list[str], policy: str, timeout: float, local_threshold: int, secret: str) -> None:
         self.aengine, self.receiver, self.metrics = aengine, receiver, metrics
         self.kv_host, self.prefill_urls, self.policy, self.timeout = kv_host, prefill_urls, policy, timeout
         self.local_threshold = local_threshold
@@ -82,8 +119,7 @@ class DecodeConnector(KVConnector):
         self.routes: dict[str, list[str]] = {}  # request -> prefill candidates the router ranked
         self.lock = threading.Lock()
         self.transfers: dict[str, RemotePrefill] = {}
-        self.ids = itertools.count(int(time.time() * 1000) << 16)
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0))
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0), headers=headers(secret))
 
     # -- engine thread (KVConnector) --------------------------------------------------------------
 
@@ -164,7 +200,8 @@ class DecodeConnector(KVConnector):
                     del self.transfers[rid]
 
     async def _attempt(self, url: str, t: RemotePrefill) -> None:
-        rid, tid = t.request_id, next(self.ids)
+        # Random 64-bit ids: a peer cannot guess a transfer it was not given.
+        rid, tid = t.request_id, secrets.randbits(64)
         done = asyncio.Event()
         failure: list[str] = []
         loop = asyncio.get_running_loop()

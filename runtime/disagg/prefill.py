@@ -35,8 +35,8 @@ class _Outgoing:
 class PrefillConnector(KVConnector):
     """Streams the K/V each step computes for requests with a transfer, layer by layer."""
 
-    def __init__(self, runner: ModelRunner, timeout: float) -> None:
-        self.runner, self.timeout = runner, timeout
+    def __init__(self, runner: ModelRunner, timeout: float, secret: str) -> None:
+        self.runner, self.timeout, self.secret = runner, timeout, secret
         self.outgoing: dict[str, _Outgoing] = {}  # engine request id -> transfer (event loop writes)
         self._items: list[tuple[Sequence, int, int, KVSender]] = []  # this step's (seq, lo, hi, sender)
 
@@ -63,7 +63,7 @@ class PrefillConnector(KVConnector):
     async def prefill(self, aengine: AsyncEngine, call: PrefillCall) -> PrefillDone:
         """Run one checked call to the end of its transfer. Raises TransferFailed or RuntimeError."""
         t0 = time.monotonic()
-        sender = KVSender((call.kv_host, call.kv_port), call.transfer_id, timeout=self.timeout)
+        sender = KVSender((call.kv_host, call.kv_port), call.transfer_id, self.secret, timeout=self.timeout)
         rid = f"{call.request_id}/{call.transfer_id}"
         self.outgoing[rid] = _Outgoing(sender, call.skip)
         first: int | None = None

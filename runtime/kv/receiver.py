@@ -14,6 +14,13 @@ not cut short: a connection carries every transfer from one prefill worker, and 
 it must go on. A stalled frame ends after STALL_TIMEOUT. Later frames of a cancelled transfer are
 read and dropped. A truncated frame leaves garbage only in its own transfer's slots, and that
 transfer fails.
+
+Hostile peers: a connection must first pass the internal-secret handshake (kv/handshake.py)
+within HANDSHAKE_TIMEOUT, before any frame is read; at most `max_connections` are open at once
+(more are closed on accept); a link idle for `idle_timeout` between frames is closed (the sender
+reconnects quietly). A frame's header, its transfer and its place in the reservation are checked
+before any byte of its payload is read or any buffer is allocated for it, and the DONE frame's
+first token must be inside the vocabulary.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from phasesplit.runtime.kv import handshake
 from phasesplit.runtime.kv.wire import (
     ACK,
     CODE_DTYPES,
@@ -46,6 +54,9 @@ from phasesplit.runtime.model.attention import write_rows
 log = logging.getLogger(__name__)
 
 STALL_TIMEOUT = 10.0  # seconds a frame's payload may stop arriving before the frame is failed
+HANDSHAKE_TIMEOUT = 5.0  # seconds a new connection has to prove the internal secret
+IDLE_TIMEOUT = 300.0  # seconds an authenticated link may sit between frames
+MAX_CONNECTIONS = 64  # open at once: a prefill worker needs one per decode worker
 _RETIRED_KEPT = 4096  # recently ended transfers whose late frames are dropped quietly
 
 
@@ -76,7 +87,13 @@ class Expected:
 
 
 class KVReceiver:
-    def __init__(self, host: str, port: int, kv_cache: torch.Tensor) -> None:
+    def __init__(self, host: str, port: int, kv_cache: torch.Tensor, secret: str, *, vocab_size: int,
+                 max_connections: int = MAX_CONNECTIONS, idle_timeout: float = IDLE_TIMEOUT,
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT) -> None:
+        self.secret, self.vocab_size = secret, vocab_size
+        self.max_connections, self.idle_timeout, self.handshake_timeout = max_connections, idle_timeout, handshake_timeout
+        self.connections = 0  # open now (authenticated or in the handshake)
+        self.refused = 0  # connections closed unauthenticated or over the cap
         self.kv_cache = kv_cache  # [2, layers, slots, kv_heads, head_dim]
         self.layers, self.heads, self.dim = kv_cache.shape[1], kv_cache.shape[3], kv_cache.shape[4]
         self.num_slots = kv_cache.shape[2]
@@ -146,40 +163,64 @@ class KVReceiver:
                 conn, peer = self.sock.accept()
             except OSError:
                 return
+            with self.lock:
+                full = self.connections >= self.max_connections
+                if full:
+                    self.refused += 1
+                else:
+                    self.connections += 1
+            if full:  # a flood of connections costs a close each, not a thread each
+                conn.close()
+                continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            # Applies to blocking recvs, including MSG_WAITALL ones; idle links are not timed
-            # out, because the header read between frames waits without it (see _Reader.header).
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(STALL_TIMEOUT))
+            # Applies to blocking recvs, including MSG_WAITALL ones: first the handshake's short
+            # limit, then STALL_TIMEOUT within a frame (idle links: see _Reader.header).
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self.handshake_timeout))
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self.handshake_timeout))
             threading.Thread(target=self._serve, args=(conn, peer), name="kv-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket, peer) -> None:
-        tid = None
-        buf = bytearray()  # staging (GPU caches only), reused across this connection's frames
-        reader = _Reader(conn)
         try:
             with conn:
-                while True:
-                    raw = reader.header()
-                    if raw is None:
-                        return  # clean close between frames
-                    h = Header.unpack(raw)
-                    tid = h.transfer_id
-                    if h.kind == DATA:
-                        if self._flat is None and len(buf) < h.payload_len:
-                            buf = bytearray(h.payload_len)
-                        self._data(reader, h, buf)
-                    elif h.kind == DONE:
-                        ok = self._done(h)
-                        conn.sendall(Header(ACK if ok else NACK, h.transfer_id).pack())
-                    else:
-                        raise FrameError(f"unexpected frame kind {h.kind} from a sender")
+                try:
+                    handshake.accept(conn, self.secret)
+                except (handshake.HandshakeError, OSError) as e:
+                    with self.lock:
+                        self.refused += 1
+                    log.warning("KV connection from %s refused: %s", peer, e)
+                    return
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(STALL_TIMEOUT))
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(STALL_TIMEOUT))
+                self._frames(conn, peer)
+        finally:
+            with self.lock:
+                self.connections -= 1
+
+    def _frames(self, conn: socket.socket, peer) -> None:
+        tid = None
+        staging = _Staging()  # GPU caches only, reused across this connection's frames
+        reader = _Reader(conn, self.idle_timeout)
+        try:
+            while True:
+                raw = reader.header()
+                if raw is None:
+                    return  # clean close (or an idle link) between frames
+                h = Header.unpack(raw)
+                tid = h.transfer_id
+                if h.kind == DATA:
+                    self._data(reader, h, staging)
+                elif h.kind == DONE:
+                    ok = self._done(h)
+                    conn.sendall(Header(ACK if ok else NACK, h.transfer_id).pack())
+                else:
+                    raise FrameError(f"unexpected frame kind {h.kind} from a sender")
         except (FrameError, ConnectionError, OSError) as e:
             self.rejected += 1
             log.warning("KV frame from %s rejected: %s", peer, e)
             if tid is not None:
                 self._fail(tid, f"KV transfer from {peer} failed: {e}")
 
-    def _data(self, reader: _Reader, h: Header, buf: bytearray) -> None:
+    def _data(self, reader: _Reader, h: Header, staging: _Staging) -> None:
         if h.layer >= self.layers or h.kv_heads != self.heads or h.head_dim != self.dim:
             raise FrameError(f"layer {h.layer} / shape [{h.kv_heads},{h.head_dim}] does not fit this cache")
         if CODE_DTYPES[h.dtype] != self.kv_cache.dtype:
@@ -210,7 +251,8 @@ class KVReceiver:
             if self._flat is not None:
                 complete = reader.payload(self._cache_views(h.layer, runs))
             else:
-                complete = self._recv_staged(reader, h, exp, runs, memoryview(buf)[: h.payload_len])
+                # Allocated only now: the header, the transfer and the range are checked.
+                complete = self._recv_staged(reader, h, exp, runs, staging.get(h.payload_len))
         finally:
             with self.lock:
                 exp.busy -= 1
@@ -259,6 +301,9 @@ class KVReceiver:
         return True
 
     def _done(self, h: Header) -> bool:
+        if not 0 <= h.value < self.vocab_size:
+            self._fail(h.transfer_id, f"first token {h.value} is outside the vocabulary ({self.vocab_size})")
+            return False
         with self.lock:
             exp = self.transfers.get(h.transfer_id)
             if exp is None:
@@ -284,6 +329,18 @@ class KVReceiver:
             exp.on_fail(why)
 
 
+class _Staging:
+    """A connection's staging buffer (GPU caches), grown to the largest checked frame."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+    def get(self, n: int) -> memoryview:
+        if len(self.buf) < n:
+            self.buf = bytearray(n)
+        return memoryview(self.buf)[:n]
+
+
 class _Reader:
     """Reads one connection's frames. A payload is read with one scatter call per burst of data,
     straight into its destinations (K rows, V rows) plus the next frame's header buffer, so no
@@ -297,18 +354,21 @@ class _Reader:
 
     lowat_timeouts = 0  # payload reads that fell back to waking on any byte (diagnostics)
 
-    def __init__(self, conn: socket.socket) -> None:
-        self.conn = conn
+    def __init__(self, conn: socket.socket, idle_timeout: float = IDLE_TIMEOUT) -> None:
+        self.conn, self.idle_timeout = conn, idle_timeout
         self.hdr = bytearray(HEADER_SIZE)
         self.have = 0  # bytes of the next header already read along with the previous payload
 
     def header(self) -> bytes | None:
         view = memoryview(self.hdr)
+        idle_since = time.monotonic()
         while self.have < HEADER_SIZE:
             try:
                 k = self.conn.recv_into(view[self.have :], HEADER_SIZE - self.have, socket.MSG_WAITALL)
-            except BlockingIOError:  # SO_RCVTIMEO: an idle link between frames is fine
+            except BlockingIOError:  # SO_RCVTIMEO: an idle link between frames is fine, for a while
                 if self.have == 0:
+                    if time.monotonic() - idle_since >= self.idle_timeout:
+                        return None
                     continue
                 raise FrameError(f"header stalled ({self.have} of {HEADER_SIZE} bytes)") from None
             if k == 0:

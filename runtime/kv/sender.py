@@ -7,7 +7,8 @@ One link (a TCP connection and its thread) per decode worker address, kept open 
 every transfer to that worker: a transfer then starts sending at once, instead of paying for a
 connect, an accept and two thread starts (measured at 2-4 ms of a 20 ms 2048-token transfer on
 the 2-core machine). Frames of different transfers may interleave on a link; each frame names
-its transfer, and the receiver checks order per transfer and layer.
+its transfer, and the receiver checks order per transfer and layer. Each new connection first
+passes the internal-secret handshake (kv/handshake.py), both ways, before any K/V is sent.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import threading
 
 import torch
 
+from phasesplit.runtime.kv import handshake
 from phasesplit.runtime.kv.wire import ACK, DONE, HEADER_SIZE, Header, data_frame
 
 
@@ -29,12 +31,12 @@ class TransferFailed(RuntimeError):
 class KVSender:
     """One transfer: queue its layers, then `finish` with the first token and `wait` for the ACK."""
 
-    def __init__(self, address: tuple[str, int], transfer_id: int, timeout: float = 30.0) -> None:
+    def __init__(self, address: tuple[str, int], transfer_id: int, secret: str, timeout: float = 30.0) -> None:
         self.address, self.transfer_id, self.timeout = address, transfer_id, timeout
         self.bytes = 0
         self.error: BaseException | None = None
         self.done = threading.Event()
-        self.link = _Link.get(address, timeout)
+        self.link = _Link.get(address, timeout, secret)
 
     def send_layer(self, layer: int, token_start: int, kv: torch.Tensor) -> None:
         """kv: [2, tokens, kv_heads, head_dim] on CPU, owned by the sender from now on."""
@@ -70,15 +72,15 @@ class _Link:
     _links_lock = threading.Lock()
 
     @classmethod
-    def get(cls, address: tuple[str, int], timeout: float) -> _Link:
+    def get(cls, address: tuple[str, int], timeout: float, secret: str) -> _Link:
         with cls._links_lock:
             link = cls._links.get(address)
-            if link is None:
-                link = cls._links[address] = cls(address, timeout)
+            if link is None or link.secret != secret:
+                link = cls._links[address] = cls(address, timeout, secret)
             return link
 
-    def __init__(self, address: tuple[str, int], timeout: float) -> None:
-        self.address, self.timeout = address, timeout
+    def __init__(self, address: tuple[str, int], timeout: float, secret: str) -> None:
+        self.address, self.timeout, self.secret = address, timeout, secret
         self.q: queue.SimpleQueue[tuple[KVSender, tuple]] = queue.SimpleQueue()
         self.sock: socket.socket | None = None
         self.active: set[KVSender] = set()  # transfers with frames on the current connection
@@ -89,6 +91,11 @@ class _Link:
             self._drop(None)  # the decode worker restarted or closed an idle link: reconnect quietly
         if self.sock is None:
             sock = socket.create_connection(self.address, timeout=self.timeout)
+            try:
+                handshake.connect(sock, self.secret)
+            except BaseException:
+                sock.close()
+                raise
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             # A Python timeout makes the socket non-blocking with a poll() before every send;
             # a blocking socket with kernel timeouts measured ~20% faster for a 45 MiB transfer.

@@ -8,6 +8,7 @@ import time
 
 from fastapi import FastAPI
 
+from phasesplit.runtime.internal_secret import SecretError
 from phasesplit.runtime.model.files import ModelError
 
 log = logging.getLogger("phasesplit")
@@ -29,16 +30,16 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    from phasesplit.runtime.server import drain
 
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {args.role} %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
     t0 = time.perf_counter()
     try:
         app = build_app(args)
-    except (ModelError, ValueError, RuntimeError) as e:
+    except (ModelError, SecretError, ValueError, RuntimeError) as e:
         log.error("cannot start: %s", e)
         return 2
     log.info("role %s ready in %.2fs on http://%s:%d", args.role, time.perf_counter() - t0, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    drain.run(app, args.host, args.port, drain.Drain(args.drain_timeout))
     return 0

@@ -22,11 +22,13 @@ from dataclasses import asdict
 import httpx
 from fastapi import FastAPI
 
+from phasesplit.runtime import internal_secret
 from phasesplit.runtime.disagg.messages import GenerateCall
 from phasesplit.runtime.engine.grammar import GrammarError, grammar_text
 from phasesplit.runtime.model.files import ModelFiles, model_info, read_config
 from phasesplit.runtime.model.tokenizer import TextTokenizer
 from phasesplit.runtime.request import RequestError, RequestOutput, SamplingParams
+from phasesplit.runtime.server.internal_auth import InternalAuth, headers
 from phasesplit.runtime.server.metrics import Metrics
 from phasesplit.runtime.server.openai_api import build_openai_app, served_names
 from phasesplit.runtime.server.routing import Pool, Worker, pick_decode, rank_prefill
@@ -37,7 +39,7 @@ log = logging.getLogger(__name__)
 class RemoteBackend:
     """The OpenAI layer's backend in split mode: relays to a decode worker."""
 
-    def __init__(self, args: argparse.Namespace, files: ModelFiles, metrics: Metrics) -> None:
+    def __init__(self, args: argparse.Namespace, files: ModelFiles, metrics: Metrics, secret: str) -> None:
         self.tokenizer = TextTokenizer(files.folder)
         cfg = read_config(files)
         self.max_model_len = min(args.max_model_len or cfg.max_position, cfg.max_position)
@@ -46,7 +48,7 @@ class RemoteBackend:
         self.decode.set_urls(list(args.decode_urls))
         self.prefill.set_urls(list(args.prefill_urls))
         self.rng = random.Random(0)
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=3.0))
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=3.0), headers=headers(secret))
         self.poll_interval = 0.5
 
     def check_request(self, prompt_len: int, params: SamplingParams) -> None:
@@ -70,6 +72,11 @@ class RemoteBackend:
     async def _poll(self, w: Worker) -> None:
         try:
             r = await self.client.get(w.url + "/internal/state", timeout=2.0)
+            if r.status_code == 503 and r.json().get("draining"):
+                if w.up:
+                    log.info("worker %s is draining: no new requests go to it", w.url)
+                w.up = False
+                return
             r.raise_for_status()
             s = r.json()
         except (httpx.HTTPError, ValueError):
@@ -86,9 +93,22 @@ class RemoteBackend:
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
                        ) -> AsyncIterator[RequestOutput]:
-        worker = pick_decode(self.decode)
-        if worker is None:
-            raise RuntimeError("no decode worker is available")
+        tried: set[str] = set()
+        while True:
+            worker = pick_decode(self.decode, exclude=tried)
+            if worker is None:
+                raise RuntimeError("no decode worker is available")
+            tried.add(worker.url)
+            try:
+                async for out in self._generate_on(worker, request_id, prompt_ids, params):
+                    yield out
+                return
+            except _Draining:
+                worker.up = False  # until a poll finds it ready again
+                log.info("decode worker %s is draining; trying another", worker.url)
+
+    async def _generate_on(self, worker: Worker, request_id: str, prompt_ids: list[int], params: SamplingParams
+                           ) -> AsyncIterator[RequestOutput]:
         prefill = rank_prefill(self.prefill, self.rng, prompt_ids)
         if prefill:
             prefill[0].waiting_tokens += len(prompt_ids)
@@ -102,6 +122,8 @@ class RemoteBackend:
         pending = params.num_seqs
         try:
             async with self.client.stream("POST", worker.url + "/internal/generate", json=body) as r:
+                if r.status_code == 503:  # draining (a stale pick): nothing was started there
+                    raise _Draining()
                 if r.status_code == 400:
                     err = json.loads(await r.aread()).get("error", {})
                     raise RequestError(err.get("message", "bad request"), err.get("param"))
@@ -136,12 +158,22 @@ class RemoteBackend:
             raise RuntimeError(f"decode worker {worker.url} failed: {e or type(e).__name__}") from None
 
 
+class _Draining(Exception):
+    """The decode worker refused the request because it is shutting down."""
+
+
 def slice_urls(obj) -> list[str]:
-    """Worker URLs of one EndpointSlice: ready endpoints only, on the port named http (or the first)."""
+    """Worker URLs of one EndpointSlice: ready endpoints that are not terminating (a pod being
+    deleted, in its preStop delay or draining, takes no new requests), on the port named http
+    (or the first)."""
     ports = obj.ports or []
     port = next((p.port for p in ports if p.name == "http"), ports[0].port if ports else 8000)
-    return [f"http://{addr}:{port}" for ep in obj.endpoints or []
-            if ep.conditions is None or ep.conditions.ready is not False for addr in ep.addresses]
+    return [f"http://{addr}:{port}" for ep in obj.endpoints or [] if _routable(ep.conditions)
+            for addr in ep.addresses]
+
+
+def _routable(conditions) -> bool:
+    return conditions is None or (conditions.ready is not False and not conditions.terminating)
 
 
 def watch_kubernetes(pools: dict[str, Pool], namespace: str, api_client=None,
@@ -200,7 +232,8 @@ def build_router_app(args: argparse.Namespace) -> FastAPI:
     names = served_names(args, files.name)
     name = names[0]
     metrics = Metrics(name, "router")
-    backend = RemoteBackend(args, files, metrics)
+    secret = internal_secret.load()
+    backend = RemoteBackend(args, files, metrics, secret)
     def kv_usage() -> float:  # the decode pool's, as the router last saw it
         live = backend.decode.live()
         total = sum(w.total_blocks for w in live)
@@ -218,6 +251,7 @@ def build_router_app(args: argparse.Namespace) -> FastAPI:
 
     api_key = os.environ.get(args.api_key_env) or None
     app = build_openai_app(backend, names, metrics, ready, api_key=api_key)
+    app.add_middleware(InternalAuth, secret=secret)
 
     @app.on_event("startup")
     async def _start() -> None:

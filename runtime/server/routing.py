@@ -46,8 +46,10 @@ class Pool:
         return [w for w in self.workers.values() if w.up]
 
 
-def pick_decode(pool: Pool) -> Worker | None:
-    live = pool.live()
+def pick_decode(pool: Pool, exclude: set[str] | frozenset[str] = frozenset()) -> Worker | None:
+    """The live decode worker with the most free KV blocks (then the fewest requests), skipping
+    `exclude` (workers that just refused this request)."""
+    live = [w for w in pool.live() if w.url not in exclude]
     if not live:
         return None
     return max(live, key=lambda w: (w.free_blocks, -(w.running + w.inflight)))

@@ -5,7 +5,10 @@ Internal endpoints (not for clients), bodies in disagg/messages.py:
 - decode  POST /internal/generate  GenerateCall -> NDJSON lines of RequestOutput
 - prefill POST /internal/prefill   PrefillCall  -> PrefillDone
 Each checks its request once (pydantic, then engine.check_request): the one validation of this
-process.
+process. Both need the internal secret (server/internal_auth.py), and neither takes an address
+to connect to from a request body on trust: a prefill worker sends K/V only to the address of
+the decode worker that called it, and a decode worker calls only prefill workers it knows
+(its --prefill-urls, or the addresses of its --prefill-service).
 """
 
 from __future__ import annotations
@@ -20,13 +23,15 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from phasesplit.runtime.disagg.decode import DecodeConnector
+from phasesplit.runtime import internal_secret
+from phasesplit.runtime.disagg.decode import DecodeConnector, KnownPrefill
 from phasesplit.runtime.disagg.messages import GenerateCall, PrefillCall
 from phasesplit.runtime.disagg.prefill import PrefillConnector
 from phasesplit.runtime.kv.receiver import KVReceiver
 from phasesplit.runtime.kv.sender import TransferFailed
 from phasesplit.runtime.request import RequestError, RequestOutput
 from phasesplit.runtime.server.async_engine import AsyncEngine
+from phasesplit.runtime.server.internal_auth import InternalAuth
 from phasesplit.runtime.server.openai_api import add_common_routes, install_error_handlers
 from phasesplit.runtime.server.protocol import error_body
 from phasesplit.runtime.server.worker import add_debug_routes, build_engine
@@ -38,8 +43,9 @@ def output_line(out: RequestOutput) -> bytes:
     return (json.dumps(out.to_dict()) + "\n").encode()
 
 
-def _worker_app(title: str, engine, metrics, aengine: AsyncEngine) -> FastAPI:
+def _worker_app(title: str, engine, metrics, aengine: AsyncEngine, secret: str) -> FastAPI:
     app = FastAPI(title=title, docs_url=None, redoc_url=None)
+    app.add_middleware(InternalAuth, secret=secret)
     install_error_handlers(app)
     add_common_routes(app, metrics, ready=lambda: (aengine.error is None, str(aengine.error or "ok")))
     add_debug_routes(app, engine)
@@ -47,11 +53,12 @@ def _worker_app(title: str, engine, metrics, aengine: AsyncEngine) -> FastAPI:
 
 
 def build_prefill_app(args: argparse.Namespace) -> FastAPI:
+    secret = internal_secret.load()
     engine, metrics, name = build_engine(args, "prefill")
-    connector = PrefillConnector(engine.runner, args.prefill_timeout)
+    connector = PrefillConnector(engine.runner, args.prefill_timeout, secret)
     engine.connector = connector
     aengine = AsyncEngine(engine)
-    app = _worker_app("phasesplit prefill worker", engine, metrics, aengine)
+    app = _worker_app("phasesplit prefill worker", engine, metrics, aengine, secret)
     app.router.on_shutdown.append(aengine.shutdown)
 
     @app.get("/internal/state")
@@ -59,7 +66,11 @@ def build_prefill_app(args: argparse.Namespace) -> FastAPI:
         return engine.state()
 
     @app.post("/internal/prefill")
-    async def prefill(call: PrefillCall) -> JSONResponse:
+    async def prefill(call: PrefillCall, request: Request) -> JSONResponse:
+        caller = request.client.host if request.client else None
+        if call.kv_host != caller:  # K/V goes back to the caller, never to an address in a body
+            return JSONResponse(error_body(f"kv_host {call.kv_host!r} is not the caller's address {caller!r}",
+                                           param="kv_host"), status_code=403)
         try:
             engine.check_request(len(call.prompt_ids), call.params)
         except RequestError as e:
@@ -77,15 +88,18 @@ def build_prefill_app(args: argparse.Namespace) -> FastAPI:
 
 
 def build_decode_app(args: argparse.Namespace) -> FastAPI:
+    secret = internal_secret.load()
     engine, metrics, name = build_engine(args, "decode")
     kv_host = args.kv_host or args.host
-    receiver = KVReceiver(args.host if args.host != "0.0.0.0" else "", args.kv_port, engine.runner.kv_cache)
+    receiver = KVReceiver(args.host if args.host != "0.0.0.0" else "", args.kv_port, engine.runner.kv_cache,
+                          secret, vocab_size=engine.runner.cfg.vocab_size)
     aengine = AsyncEngine(engine)
     connector = DecodeConnector(aengine, receiver, metrics, kv_host=kv_host, prefill_urls=list(args.prefill_urls),
                                 policy=args.on_prefill_failure, timeout=args.prefill_timeout,
-                                local_threshold=args.local_prefill_threshold)
+                                local_threshold=args.local_prefill_threshold, secret=secret)
     engine.connector = connector
-    app = _worker_app("phasesplit decode worker", engine, metrics, aengine)
+    known = KnownPrefill(list(args.prefill_urls), args.prefill_service)
+    app = _worker_app("phasesplit decode worker", engine, metrics, aengine, secret)
 
     @app.on_event("startup")
     async def _bind_loop() -> None:
@@ -99,7 +113,8 @@ def build_decode_app(args: argparse.Namespace) -> FastAPI:
 
     @app.get("/internal/state")
     async def state() -> dict[str, Any]:
-        return {**engine.state(), "kv_port": receiver.port, "kv_rejected": receiver.rejected}
+        return {**engine.state(), "kv_port": receiver.port, "kv_rejected": receiver.rejected,
+                "kv_refused": receiver.refused, "kv_connections": receiver.connections}
 
     @app.post("/internal/generate")
     async def generate(call: GenerateCall, request: Request):
@@ -107,7 +122,8 @@ def build_decode_app(args: argparse.Namespace) -> FastAPI:
             engine.check_request(len(call.prompt_ids), call.params)
         except RequestError as e:
             return JSONResponse(error_body(str(e), param=e.param), status_code=400)
-        urls = call.prefill_urls or list(args.prefill_urls)
+        # The router's ranking, restricted to prefill workers this worker knows.
+        urls = await known.filter(call.prefill_urls) or list(args.prefill_urls)
         if urls:
             connector.route(call.request_id, urls)
         else:

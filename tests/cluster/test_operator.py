@@ -30,7 +30,7 @@ import yaml
 from kubernetes import client
 from prometheus_client.parser import text_string_to_metric_families
 
-from phasesplit.operator import api
+from phasesplit.operator import api, render
 from phasesplit.runtime import metric_names as names
 from tests.kubecluster import KubeCluster
 from tests.unit.test_operator_api import INVALID_SPECS, MINIMAL, merged
@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "phasesplit"
 SESSION = uuid.uuid4().hex[:6]
 RELEASE = OPERATOR_NS = f"phasesplit-{SESSION}"  # the chart names its objects after the release
-WATCHED = {k: f"op-{SESSION}-{k}" for k in ("samples", "lifecycle", "restart")}
+WATCHED = {k: f"op-{SESSION}-{k}" for k in ("samples", "lifecycle", "restart", "drain")}
 UNWATCHED = f"op-{SESSION}-invalid"  # validation needs only the API server
 CHILD_SELECTOR = "app.kubernetes.io/managed-by=phasesplit-operator"
 T = TypeVar("T")
@@ -638,3 +638,75 @@ def test_rbac_denies_what_the_operator_does_not_need(helm_release: KubeCluster, 
     for verb, resource in [("get", "secrets"), ("create", "pods"), ("delete", "nodes"),
                            ("create", "clusterroles"), ("update", "deployments")]:
         assert can(verb, resource, "-n", "default") == "no", (verb, resource)
+
+
+# ---------------------------------------------------------------------------------------------
+# drain, never cut (issue 13)
+
+
+def test_scale_down_and_rollout_terminate_pods_with_the_drain_grace(operator: Operator,
+                                                                    kube_cluster: KubeCluster):
+    """Every pod a scale-down or a rolling update deletes goes with the preStop delay and the
+    grace period spec.drainTimeout asks for (the API server copies the pod's grace period into
+    the deletion), and so does every pod that replaces it."""
+    import threading
+
+    from kubernetes import watch
+
+    namespace = WATCHED["drain"]
+    view = View(kube_cluster, namespace)
+    name = "drain"
+    spec = merged(MINIMAL, {"drainTimeout": "2m"})  # 1 prefill, 2 decode
+    grace = render.PRESTOP_DELAY_S + 120 + render.GRACE_MARGIN_S
+    terminating: dict[str, client.V1Pod] = {}
+    stop = threading.Event()
+
+    def watch_pods() -> None:
+        w = watch.Watch()
+        while not stop.is_set():
+            for ev in w.stream(view.core.list_namespaced_pod, namespace, timeout_seconds=2):
+                pod = ev["object"]
+                if pod.metadata.deletion_timestamp is not None:
+                    terminating.setdefault(pod.metadata.name, pod)
+
+    watcher = threading.Thread(target=watch_pods, daemon=True)
+    watcher.start()
+    try:
+        view.apply(isvc(name, spec))
+        view.wait_ready(name)
+        secret = view.core.read_namespaced_secret(f"{name}-internal", namespace)
+        value = secret.data[render.INTERNAL_SECRET_KEY]
+        (ref,) = secret.metadata.owner_references
+        assert ref.controller and ref.uid == view.get(name)["metadata"]["uid"]
+        view.apply(isvc(name, merged(spec, {"decode": {"replicas": 1}})))  # scale-down: one pod goes
+        wait_until("a decode pod terminating", lambda: any("-decode-" in n for n in terminating))
+        view.wait_ready(name)
+        rolled = merged(spec, {"decode": {"replicas": 1}, "runtime": {"image": "example.com/phasesplit/runtime:2"}})
+        view.apply(isvc(name, rolled))  # a rolling update of every Deployment
+        wait_until("old pods of all three Deployments terminating",
+                   lambda: {c for c in api.COMPONENTS if any(f"-{c}-" in n for n in terminating)} == set(api.COMPONENTS))
+        view.wait_ready(name)
+    finally:
+        stop.set()
+        watcher.join(10)
+    pods = view.core.list_namespaced_pod(namespace, label_selector=f"app.kubernetes.io/instance={name}").items
+    print(f"\n{len(terminating)} pods terminated by the scale-down and the rollout, {len(pods)} running; "
+          f"grace periods {sorted({p.metadata.deletion_grace_period_seconds for p in terminating.values()})} s")
+    assert len(terminating) >= 4  # 1 decode scaled away + the old router, prefill and decode pods
+    for pod in [*terminating.values(), *pods]:
+        assert pod.spec.termination_grace_period_seconds == grace, pod.metadata.name
+        (container,) = pod.spec.containers
+        assert container.lifecycle.pre_stop.sleep.seconds == render.PRESTOP_DELAY_S, pod.metadata.name
+        assert "--drain-timeout=120s" in container.args
+    for pod in terminating.values():
+        assert pod.metadata.deletion_grace_period_seconds == grace, pod.metadata.name
+    # The internal secret: made once (the rollout did not change it), mounted into the service's
+    # pods, never logged.
+    import base64
+    assert view.core.read_namespaced_secret(f"{name}-internal", namespace).data[render.INTERNAL_SECRET_KEY] == value
+    assert len(base64.b64decode(value)) >= 32
+    for pod in pods:
+        env = {e.name: e for e in pod.spec.containers[0].env}
+        assert env["PHASESPLIT_INTERNAL_SECRET"].value_from.secret_key_ref.name == f"{name}-internal"
+    assert base64.b64decode(value).decode() not in operator.log.read_text()
+    kube_cluster.kubectl("delete", "psvc", name, "-n", namespace)

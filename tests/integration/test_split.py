@@ -15,7 +15,7 @@ from phasesplit.runtime import metric_names as names
 from phasesplit.runtime.kv.wire import DATA, HEADER_SIZE, Header
 from phasesplit.runtime.model.loader import resolve
 from phasesplit.runtime.model.tokenizer import TextTokenizer
-from tests.procs import Proc, free_port, serve
+from tests.procs import INTERNAL, Proc, free_port, serve
 from tests.prompts import all_prompt_ids
 
 MODEL = "smollm2-135m-instruct"
@@ -128,11 +128,11 @@ def test_router_metrics_include_ttft_itl(split, prompts):
 
 def test_garbage_kv_frames_are_rejected(split, prompts):
     _, decode, router = split
-    kv_port = httpx.get(decode.url + "/internal/state").json()["kv_port"]
+    kv_port = httpx.get(decode.url + "/internal/state", headers=INTERNAL).json()["kv_port"]
     expected = complete(router.url, prompts[0])["choices"][0]["text"]
     with ThreadPoolExecutor(2) as pool:
         fut = pool.submit(complete, router.url, prompts[0])
-        rejected = httpx.get(decode.url + "/internal/state").json()["kv_rejected"]
+        rejected = httpx.get(decode.url + "/internal/state", headers=INTERNAL).json()["kv_refused"]
         for payload in (b"\x00" * 10, b"GET / HTTP/1.1\r\n\r\n" + b"x" * 80, _truncated_frame()):
             with socket.create_connection(("127.0.0.1", kv_port)) as s:
                 try:
@@ -143,8 +143,8 @@ def test_garbage_kv_frames_are_rejected(split, prompts):
                     pass  # the receiver closed on us: that is the point
         assert fut.result()["choices"][0]["text"] == expected
     deadline = time.monotonic() + 10
-    while httpx.get(decode.url + "/internal/state").json()["kv_rejected"] < rejected + 3:
-        assert time.monotonic() < deadline, "every bad frame must be rejected"
+    while httpx.get(decode.url + "/internal/state", headers=INTERNAL).json()["kv_refused"] < rejected + 3:
+        assert time.monotonic() < deadline, "every unauthenticated connection must be refused"
         time.sleep(0.1)
     assert wait_no_blocks(decode.url)["allocated_blocks"] == 0
 
@@ -304,7 +304,8 @@ def test_local_prefill_threshold_counts_uncached_tokens():
     metrics = Metrics("m", "decode")
     loop = asyncio.new_event_loop()  # never run: the transfer is only queued
     connector = DecodeConnector(SimpleNamespace(engine=engine), None, metrics, kv_host="", prefill_urls=["http://x"],
-                                policy="local", timeout=1.0, local_threshold=20)
+                                policy="local", timeout=1.0, local_threshold=20,
+                                secret="unit-test-internal-secret")
     connector.loop = loop
     engine.connector = connector
     prompt = list(range(1, 70))

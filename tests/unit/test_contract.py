@@ -59,12 +59,15 @@ def test_rendered_commands_parse_with_the_runtime_parser(name):
         assert (args.dtype, args.device, args.block_size) == (spec.runtime.dtype, spec.runtime.device,
                                                               spec.runtime.block_size)
         assert args.max_model_len == spec.runtime.max_model_len
+        assert args.drain_timeout == pytest.approx(api.parse_duration(spec.drain_timeout))
         if component == "decode":
             assert args.kv_port == spec.kv_transfer.port
             assert args.kv_host == "$(POD_IP)"  # expanded by the kubelet from the env below
             assert "POD_IP" in {e["name"] for e in container["env"]}
             assert args.prefill_timeout == pytest.approx(api.parse_duration(spec.kv_transfer.timeout))
             assert args.local_prefill_threshold == spec.decode.local_prefill_threshold
+            # the prefill workers it may call: the prefill Service's addresses
+            assert args.prefill_service == "chat-prefill"
         if component in api.PHASES:
             phase = spec.phase(component)
             assert args.max_num_seqs == (phase.max_num_seqs or 64)

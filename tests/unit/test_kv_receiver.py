@@ -10,19 +10,30 @@ import time
 import pytest
 import torch
 
+from phasesplit.runtime.kv import handshake
 from phasesplit.runtime.kv.receiver import KVReceiver
 from phasesplit.runtime.kv.sender import KVSender, TransferFailed
-from phasesplit.runtime.kv.wire import ACK, DONE, HEADER_SIZE, NACK, Header, data_frame
+from phasesplit.runtime.kv.wire import ACK, DATA, DONE, HEADER_SIZE, NACK, Header, data_frame
 
 LAYERS, SLOTS, HEADS, DIM = 2, 64, 3, 8
+SECRET = "unit-test-internal-secret"
+VOCAB = 1000
 
 
 @pytest.fixture
 def receiver():
     cache = torch.zeros(2, LAYERS, SLOTS, HEADS, DIM, dtype=torch.bfloat16)
-    r = KVReceiver("127.0.0.1", 0, cache)
+    r = KVReceiver("127.0.0.1", 0, cache, SECRET, vocab_size=VOCAB)
     yield r
     r.close()
+
+
+def authed(port: int) -> socket.socket:
+    """A raw connection that has passed the handshake (the tests then speak frames on it)."""
+    s = socket.create_connection(("127.0.0.1", port))
+    s.settimeout(10)
+    handshake.connect(s, SECRET)
+    return s
 
 
 class Outcome:
@@ -62,7 +73,7 @@ def test_frames_land_in_reserved_slots_only(receiver):
     slots = [3, 4, 5, 20, 21, 40]  # three runs of consecutive slots
     out = expect(receiver, 7, slots)
     kvs = [layer_kv(len(slots), i) for i in range(LAYERS)]
-    sender = KVSender(("127.0.0.1", receiver.port), 7)
+    sender = KVSender(("127.0.0.1", receiver.port), 7, SECRET)
     for layer, kv in enumerate(kvs):
         sender.send_layer(layer, 0, kv[:, :4].clone())  # two frames per layer, in token order
         sender.send_layer(layer, 4, kv[:, 4:].clone())
@@ -81,7 +92,7 @@ def test_truncated_frame_fails_its_transfer_only(receiver):
     other = expect(receiver, 2, [10, 11, 12, 13])
     kv = layer_kv(4, 5)
     head, payload = data_frame(1, 0, 0, kv)
-    with socket.create_connection(("127.0.0.1", receiver.port)) as s:
+    with authed(receiver.port) as s:
         s.sendall(head + bytes(payload)[: payload.nbytes // 3])
         s.shutdown(socket.SHUT_WR)
         s.recv(16)
@@ -90,7 +101,7 @@ def test_truncated_frame_fails_its_transfer_only(receiver):
     assert receiver.rejected == 1
     assert not receiver.kv_cache[:, :, 10:14].any()
     # the other transfer still completes, on a connection of its own
-    sender = KVSender(("127.0.0.1", receiver.port), 2)
+    sender = KVSender(("127.0.0.1", receiver.port), 2, SECRET)
     for layer in range(LAYERS):
         sender.send_layer(layer, 0, layer_kv(4, 10 + layer))
     sender.finish(3)
@@ -107,7 +118,7 @@ def test_cancel_mid_frame_defers_the_release(receiver):
     head, payload = data_frame(5, 0, 0, kv)
     raw = bytes(payload)
     released = threading.Event()
-    with socket.create_connection(("127.0.0.1", receiver.port)) as s:
+    with authed(receiver.port) as s:
         s.sendall(head + raw[:100])
         wait_until(lambda: receiver.in_flight(5) == 1, "the frame is being received")
         assert receiver.cancel(5, released.set) is False, "a frame is landing: the slots are busy"
@@ -137,8 +148,172 @@ def test_cancel_mid_frame_defers_the_release(receiver):
 def test_cancel_when_idle_releases_at_once(receiver):
     expect(receiver, 8, [0, 1])
     assert receiver.cancel(8, lambda: pytest.fail("nothing was in flight")) is True
-    sender = KVSender(("127.0.0.1", receiver.port), 8)
+    sender = KVSender(("127.0.0.1", receiver.port), 8, SECRET)
     sender.send_layer(0, 0, layer_kv(2, 0))
     sender.finish(1)
     with pytest.raises(TransferFailed, match="refused"):
         sender.wait(10)
+
+
+# -- hostile peers (issue 13): nothing reaches a reservation or an allocation unauthenticated,
+# every bad frame is refused, and the receiver goes on serving real transfers --------------------
+
+
+@pytest.fixture
+def staged():
+    """A receiver on the staging path (as for a GPU cache), the one that allocates per frame."""
+    cache = torch.zeros(2, LAYERS, SLOTS, HEADS, DIM * 2, dtype=torch.bfloat16)[..., :DIM]
+    assert not cache.is_contiguous()
+    r = KVReceiver("127.0.0.1", 0, cache, SECRET, vocab_size=VOCAB, max_connections=16, handshake_timeout=0.5)
+    yield r
+    r.close()
+
+
+def huge_header(tid: int) -> bytes:
+    """A well-formed DATA header whose shape claims ~1.9 GB of payload."""
+    tokens = (1 << 30) // (HEADS * DIM * 2)  # bf16: 2 bytes, K and V
+    h = Header(DATA, tid, 0, 0, tokens, HEADS, DIM, dtype=2, payload_len=2 * tokens * HEADS * DIM * 2)
+    return h.pack()
+
+
+def closed_by_peer(s: socket.socket, timeout: float = 10.0) -> bool:
+    s.settimeout(timeout)
+    try:
+        while s.recv(4096):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def transfer_works(r: KVReceiver, tid: int) -> None:
+    out = expect(r, tid, [50, 51, 52])
+    sender = KVSender(("127.0.0.1", r.port), tid, SECRET)
+    for layer in range(LAYERS):
+        sender.send_layer(layer, 0, layer_kv(3, 30 + layer))
+    sender.finish(5)
+    sender.wait(10)
+    assert out.done is not None and out.done[0] == 5
+    assert torch.equal(r.kv_cache[:, 1, [50, 51, 52]], layer_kv(3, 31))
+
+
+def peak_allocation(fn) -> int:
+    import tracemalloc
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_unauthenticated_connection_is_refused_before_any_allocation(staged):
+    victim = expect(staged, 77, list(range(16)))
+
+    def attack() -> None:
+        with socket.create_connection(("127.0.0.1", staged.port)) as s:
+            s.sendall(huge_header(77))  # no handshake: straight to a frame
+            assert closed_by_peer(s)
+        # a wrong proof of the secret is no better
+        with socket.create_connection(("127.0.0.1", staged.port)) as s:
+            s.settimeout(10)
+            with pytest.raises(handshake.HandshakeError):
+                handshake.connect(s, "not-the-secret-at-all")
+            assert closed_by_peer(s)
+
+    peak = peak_allocation(attack)
+    print(f"\nunauthenticated: refused={staged.refused} peak Python allocation {peak / 1024:.0f} KiB")
+    assert staged.refused == 2
+    assert peak < 4 << 20, "nothing near the claimed payload was allocated"
+    assert staged.in_flight(77) == 0 and not victim.event.is_set(), "the reservation was never touched"
+    assert not staged.kv_cache.any()
+    transfer_works(staged, 78)
+
+
+def test_oversized_payload_and_bad_lengths_are_rejected_unallocated(staged):
+    expect(staged, 90, list(range(8)))
+    bad_len = Header(DATA, 90, 0, 0, 4, HEADS, DIM, dtype=2, payload_len=2 * 4 * HEADS * DIM * 2)
+    bad_len.payload_len += 1  # CRC is valid; the length does not match the shape
+
+    def attack() -> None:
+        for raw in (huge_header(90), bad_len.pack()):
+            with authed(staged.port) as s:
+                s.sendall(raw)
+                assert closed_by_peer(s)
+
+    peak = peak_allocation(attack)
+    print(f"\noversized: rejected={staged.rejected} peak Python allocation {peak / 1024:.0f} KiB")
+    assert staged.rejected == 2
+    assert peak < 4 << 20
+    transfer_works(staged, 91)
+
+
+def test_guessed_transfer_ids_are_rejected(receiver):
+    import random
+    real = expect(receiver, random.getrandbits(64), [1, 2, 3, 4])
+    guesses = [random.getrandbits(64) for _ in range(20)]
+    for tid in guesses:
+        h, p = data_frame(tid, 0, 0, layer_kv(4, 1))
+        with authed(receiver.port) as s:
+            s.sendall(h + bytes(p))
+            assert closed_by_peer(s)
+    with authed(receiver.port) as s:  # a DONE for a guessed id is answered NACK
+        s.sendall(Header(DONE, guesses[0], value=1).pack())
+        assert Header.unpack(s.recv(HEADER_SIZE, socket.MSG_WAITALL)).kind == NACK
+    print(f"\nguessed ids: rejected={receiver.rejected} of {len(guesses)} frames")
+    assert receiver.rejected == len(guesses)
+    assert not real.event.is_set() and not receiver.kv_cache.any()
+    transfer_works(receiver, 12345)
+
+
+def test_out_of_vocabulary_first_token_fails_the_transfer(receiver):
+    out = expect(receiver, 60, [0, 1])
+    sender = KVSender(("127.0.0.1", receiver.port), 60, SECRET)
+    for layer in range(LAYERS):
+        sender.send_layer(layer, 0, layer_kv(2, layer))
+    sender.finish(VOCAB)  # one past the last token id
+    with pytest.raises(TransferFailed, match="refused"):
+        sender.wait(10)
+    assert out.failed is not None and "outside the vocabulary" in out.failed
+    assert out.done is None
+    transfer_works(receiver, 61)
+
+
+def test_a_thousand_idle_connections_are_shed(staged):
+    t0 = time.monotonic()
+    socks = []
+    for _ in range(1000):
+        s = socket.socket()
+        s.connect(("127.0.0.1", staged.port))
+        socks.append(s)
+    try:
+        closed = sum(closed_by_peer(s, timeout=10) for s in socks)
+        took = time.monotonic() - t0
+        print(f"\n1000 idle connections: {closed} closed by the receiver in {took:.1f}s, "
+              f"refused={staged.refused}, open now={staged.connections}")
+        assert closed == 1000
+        wait_until(lambda: staged.connections == 0, "every connection thread has ended")
+        assert staged.refused == 1000
+    finally:
+        for s in socks:
+            s.close()
+    transfer_works(staged, 99)
+
+
+def test_an_idle_authenticated_link_times_out_and_the_sender_reconnects():
+    cache = torch.zeros(2, LAYERS, SLOTS, HEADS, DIM, dtype=torch.bfloat16)
+    r = KVReceiver("127.0.0.1", 0, cache, SECRET, vocab_size=VOCAB, idle_timeout=0.5)
+    try:
+        transfer_works(r, 1)
+        wait_until(lambda: r.connections == 0, "the idle link was closed", timeout=15)
+        out = expect(r, 2, [7, 8])
+        sender = KVSender(("127.0.0.1", r.port), 2, SECRET)
+        for layer in range(LAYERS):
+            sender.send_layer(layer, 0, layer_kv(2, layer))
+        sender.finish(3)
+        sender.wait(10)
+        assert out.done is not None
+    finally:
+        r.close()

@@ -59,6 +59,8 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
     ("negative-replicas", {"prefill": {"replicas": -1}}, "spec.prefill.replicas"),
     ("bad-failure-policy", {"kvTransfer": {"failurePolicy": "Pray"}}, "spec.kvTransfer.failurePolicy"),
     ("typo-field", {"prefill": {"replica": 2}}, "spec.prefill.replica"),
+    ("drain-timeout-not-a-duration", {"drainTimeout": "forever"}, "spec.drainTimeout"),
+    ("drain-timeout-zero", {"drainTimeout": "0s"}, "spec.drainTimeout"),
 ]
 
 

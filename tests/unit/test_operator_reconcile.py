@@ -35,6 +35,14 @@ class MemoryKube:
         self.calls: Counter[str] = Counter()
         self.events: list[tuple[str, str, str]] = []
         self.parents: list[dict] = []
+        self.created: dict[tuple[str, str], dict] = {}  # create_if_absent (the internal Secret)
+
+    def create_if_absent(self, obj):
+        self.calls["create"] += 1
+        if render.key(obj) in self.created:
+            return False
+        self.created[render.key(obj)] = copy.deepcopy(dict(obj))
+        return True
 
     def apply(self, obj):
         self.calls["apply"] += 1
@@ -102,11 +110,20 @@ def test_first_pass_creates_everything_then_is_a_no_op():
     k, events = MemoryKube(), Events()
     applied, _ = sync(k, spec_of(), events)
     assert len(applied) == len(k.objects) == 14
-    assert events.reasons() == ["Created"]  # one Event naming all fourteen
-    assert events[0][2].count(", ") == 13 and "Deployment chat-decode" in events[0][2]
+    assert events.reasons() == ["Created"]  # one Event naming all fourteen and the internal Secret
+    assert events[0][2].count(", ") == 14 and "Deployment chat-decode" in events[0][2]
+    assert "Secret chat-internal" in events[0][2]
+    (secret,) = k.created.values()
+    value = secret["stringData"][render.INTERNAL_SECRET_KEY]
+    assert len(value) >= 32 and secret["metadata"]["ownerReferences"][0]["uid"] == OWNER.uid
+    assert value not in events[0][2]
     again = Events()
     applied, deleted = sync(k, spec_of(), again)
     assert again == [] and applied == {} and deleted == [] and k.rv == 14 and k.calls["apply"] == 14
+    k.objects.pop(("Deployment", "chat-router"))  # recreating a Deployment checks the Secret again
+    sync(k, spec_of(runtime={"image": "example/rt:2"}), Events())
+    assert k.calls["create"] == 2
+    assert k.created[("Secret", "chat-internal")]["stringData"][render.INTERNAL_SECRET_KEY] == value
 
 
 def test_spec_change_updates_and_prunes():
@@ -155,7 +172,7 @@ def test_apply_failure_posts_a_warning_and_raises():
     assert [w.split(":")[0] for w in warnings] == ["NetworkPolicy chat-prefill", "NetworkPolicy chat-decode"]
     # The refusal held back nothing else.
     assert len(k.objects) == 12 and events.reasons().count("Created") == 1
-    assert next(m for _, r, m in events if r == "Created").count(", ") == 11
+    assert next(m for _, r, m in events if r == "Created").count(", ") == 12  # + the internal Secret
 
 
 def test_edits_are_reverted_deleted_children_recreated_unwanted_removed():
@@ -288,7 +305,7 @@ def test_a_pass_reads_the_cache_and_writes_status_once():
     assert c.queue.get(timeout=0) == ("serving", "chat")
     c._reconcile(("serving", "chat"))
     c.queue.done(("serving", "chat"))
-    assert k.calls == Counter(apply=14, patch_status=1)
+    assert k.calls == Counter(apply=14, patch_status=1, create=1)  # create: the internal Secret
     assert [r for _, r, _ in k.events] == ["Created"]
     status = k.statuses[-1]
     assert status["observedGeneration"] == 1 and status["conditions"][0]["reason"] == "ComponentsNotReady"

@@ -124,10 +124,15 @@ def test_network_policies_admit_only_the_split_traffic():
     assert decode[0]["from"] == [{"podSelector": {"matchLabels": sel["router"]}}]
     assert decode[1] == {"from": [{"podSelector": {"matchLabels": sel["prefill"]}}],
                          "ports": [{"protocol": "TCP", "port": 9100}]}
-    # The last rule of each admits the operator's metric scrapes from any namespace, HTTP only.
+    # The last rule of each admits the operator's metric scrapes from its own namespace, HTTP only.
     for rules in (prefill["ingress"], decode):
         assert rules[-1]["from"][0]["podSelector"]["matchLabels"] == render.OPERATOR_POD_LABELS
+        assert rules[-1]["from"][0]["namespaceSelector"] == {
+            "matchLabels": {"kubernetes.io/metadata.name": "phasesplit-system"}}
         assert rules[-1]["ports"] == [{"protocol": "TCP", "port": 8000}]
+    moved = by_key(spec_of(networkPolicy={"operatorNamespace": "ops"}))
+    rule = moved[("NetworkPolicy", "chat-decode")]["spec"]["ingress"][-1]["from"][0]
+    assert rule["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "ops"}}
     off = by_key(spec_of(networkPolicy={"enabled": False}))
     assert not [k for k in off if k[0] == "NetworkPolicy"]
 
@@ -199,3 +204,29 @@ def test_desired_replicas_seam_for_the_planner():
     assert render.desired_replicas(disabled, decision, 4) == {"router": 1, "prefill": 1, "decode": 2}
     hpa = spec_of(autoscaling={"mode": "HPA"})
     assert render.desired_replicas(hpa) == {"router": 1, "prefill": None, "decode": None}
+
+
+def test_pods_drain_before_they_go():
+    """Every pod gets the preStop delay and a grace period covering the drain timeout, and its
+    runtime the same drain timeout (issue 13: scale-downs and rollouts cut nothing)."""
+    for spec, drain_s in ((spec_of(), 300), (spec_of(drainTimeout="20m"), 1200), (spec_of(drainTimeout="90s"), 90)):
+        objs = by_key(spec)
+        for c in api.COMPONENTS:
+            p = pod(objs, c)
+            assert p["terminationGracePeriodSeconds"] == render.PRESTOP_DELAY_S + drain_s + render.GRACE_MARGIN_S
+            container = p["containers"][0]
+            assert container["lifecycle"] == {"preStop": {"sleep": {"seconds": render.PRESTOP_DELAY_S}}}
+            assert f"--drain-timeout={drain_s}s" in container["args"]
+
+
+def test_every_pod_gets_the_internal_secret_from_the_services_secret():
+    from phasesplit.runtime import internal_secret
+    objs = by_key(spec_of())
+    for c in api.COMPONENTS:
+        env = {e["name"]: e for e in pod(objs, c)["containers"][0]["env"]}
+        assert env[internal_secret.ENV]["valueFrom"] == {"secretKeyRef": {
+            "name": "chat-internal", "key": render.INTERNAL_SECRET_KEY}}
+    assert ("Secret", "chat-internal") not in objs, "never applied: its random value is made once"
+    secret = render.internal_secret(OWNER, "v" * 43)
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert secret["stringData"] == {render.INTERNAL_SECRET_KEY: "v" * 43}

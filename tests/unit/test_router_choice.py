@@ -98,3 +98,29 @@ def test_router_process_does_not_import_torch():
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_discovery_skips_terminating_and_unready_endpoints():
+    """A pod being deleted (preStop delay, drain) is marked terminating in its EndpointSlice: the
+    router sends it nothing new, whatever its ready condition says."""
+    from types import SimpleNamespace as NS
+
+    from phasesplit.runtime.server.router import slice_urls
+
+    def ep(addr, ready=True, terminating=None):
+        return NS(addresses=[addr], conditions=NS(ready=ready, serving=ready, terminating=terminating))
+
+    obj = NS(ports=[NS(name="http", port=8000)], endpoints=[
+        ep("10.0.0.1"), ep("10.0.0.2", ready=False), ep("10.0.0.3", terminating=True),
+        ep("10.0.0.4", ready=False, terminating=True), NS(addresses=["10.0.0.5"], conditions=None)])
+    assert slice_urls(obj) == ["http://10.0.0.1:8000", "http://10.0.0.5:8000"]
+
+
+def test_a_refusing_decode_worker_is_skipped_for_the_retry():
+    pool = Pool()
+    pool.set_urls(["http://a", "http://b"])
+    for w, free in zip(pool.workers.values(), (10, 5), strict=True):
+        w.up, w.free_blocks = True, free
+    assert pick_decode(pool).url == "http://a"
+    assert pick_decode(pool, exclude={"http://a"}).url == "http://b"
+    assert pick_decode(pool, exclude={"http://a", "http://b"}) is None
