@@ -97,19 +97,8 @@ stop() {
   rm -rf "$state"
 }
 
-# free_ports N: N distinct TCP ports that are free on 127.0.0.1 right now (held open together
-# while choosing, so they differ). Fixed ports would clash with another cluster or service.
-free_ports() {
-  python3 - "$1" <<'EOF'
-import socket, sys
-socks = []
-for _ in range(int(sys.argv[1])):
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    socks.append(s)
-print(" ".join(str(s.getsockname()[1]) for s in socks))
-EOF
-}
+# free_ports: hack/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 # wait_for WHAT SECONDS CMD...: polls CMD until it succeeds; on timeout shows the logs and fails.
 wait_for() {

@@ -106,17 +106,8 @@ current-context: phasesplit
 EOF
 }
 
-free_ports() {
-  python3 - "$1" <<'EOF'
-import socket, sys
-socks = []
-for _ in range(int(sys.argv[1])):
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    socks.append(s)
-print(" ".join(str(s.getsockname()[1]) for s in socks))
-EOF
-}
+# free_ports: hack/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 # What `down` restores: sysctls, the nftables ruleset (iptables-nft's tables included: kube-proxy,
 # the kubelet and CNI all add rules), and which shared host paths existed before.
