@@ -27,6 +27,9 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
   "$venv/bin/python" -m pip install -q --no-deps -e "$root"
   echo "$want" > "$stamp"
 fi
+# ensure_editable: hack/lib.sh (the cached venv may point at another checkout)
+source "$root/hack/lib.sh"
+ensure_editable "$venv/bin/python" "$root"
 cd "$root"
 "$venv/bin/python" -m compileall -q runtime operator tests >/dev/null
 # The unit test files that import torch are left to the main suite.

