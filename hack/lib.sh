@@ -24,3 +24,29 @@ ensure_editable() {
   echo "[setup] pointing $py's editable install at $root" >&2
   "$py" -m pip install -q --no-deps -e "$root"
 }
+
+# apt_install PURPOSE PKG...: installs Debian packages for hack/setup.d's scripts, without letting
+# them start system services (the tests run their own containerd and Prometheus, with their own
+# config). Without apt-get it says what to install by hand, for PURPOSE, and returns 0: the tests
+# that need the packages then skip or fail naming them.
+apt_install() {
+  local purpose=$1; shift
+  if ! command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] no apt-get: install $* yourself $purpose" >&2
+    return 0
+  fi
+  local sudo=""
+  [[ $(id -u) == 0 ]] || sudo="sudo"
+  echo "[setup] installing $* (Debian packages) $purpose" >&2
+  local policy=""
+  if [[ ! -e /usr/sbin/policy-rc.d ]]; then
+    # Exit 101 = "action forbidden": postinst scripts then start no service.
+    $sudo sh -c 'printf "#!/bin/sh\nexit 101\n" > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d'
+    policy=/usr/sbin/policy-rc.d
+  fi
+  local rc=0
+  { DEBIAN_FRONTEND=noninteractive $sudo apt-get update -qq &&
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "$@" >/dev/null; } || rc=$?
+  [[ -z $policy ]] || $sudo rm -f "$policy"
+  return $rc
+}

@@ -62,17 +62,6 @@ def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str
     return entry
 
 
-def _positive_duration(text: str) -> str:
-    parse_duration(text)  # raises unless positive
-    return text
-
-
-def _at_least_one_second(text: str) -> str:
-    if parse_duration(text) < 1:
-        raise ValueError(f"duration must be at least 1s: {text!r}")
-    return text
-
-
 def _quantity(value: int | str) -> int | str:
     if isinstance(value, str) and not re.fullmatch(QUANTITY_PATTERN, value):
         raise ValueError(f"not a Kubernetes quantity: {value!r} (use e.g. 500m, 2Gi, 1)")
@@ -85,26 +74,24 @@ def _relative_path(text: str) -> str:
     return text
 
 
-Duration = Annotated[
-    str,
-    Field(pattern=DURATION_PATTERN, max_length=32),
-    AfterValidator(_positive_duration),
-    WithJsonSchema({
-        "type": "string", "pattern": DURATION_PATTERN, "maxLength": 32,
-        "x-kubernetes-validations": [
-            cel("duration(self) > duration('0s')", "must be a positive duration such as 500ms or 30s")],
-    }),
-]
-Interval = Annotated[
-    str,
-    Field(pattern=DURATION_PATTERN, max_length=32),
-    AfterValidator(_at_least_one_second),
-    WithJsonSchema({
-        "type": "string", "pattern": DURATION_PATTERN, "maxLength": 32,
-        "x-kubernetes-validations": [
-            cel("duration(self) >= duration('1s')", "must be a duration of at least 1s, such as 30s")],
-    }),
-]
+def _duration_type(minimum_s: float, cel_rule: str, message: str) -> Any:
+    """A Go-style duration string checked alike by pydantic and the API server (CEL)."""
+    def check(text: str) -> str:
+        # parse_duration refuses zero and negatives; the minimum is the tighter bound where set.
+        if parse_duration(text) < minimum_s:
+            raise ValueError(f"{message}: {text!r}")
+        return text
+    return Annotated[
+        str,
+        Field(pattern=DURATION_PATTERN, max_length=32),
+        AfterValidator(check),
+        WithJsonSchema({"type": "string", "pattern": DURATION_PATTERN, "maxLength": 32,
+                        "x-kubernetes-validations": [cel(cel_rule, message)]}),
+    ]
+
+
+Duration = _duration_type(0, "duration(self) > duration('0s')", "must be a positive duration such as 500ms or 30s")
+Interval = _duration_type(1, "duration(self) >= duration('1s')", "must be a duration of at least 1s, such as 30s")
 Quantity = Annotated[
     int | str,
     AfterValidator(_quantity),

@@ -21,19 +21,6 @@ for c in "${!want[@]}"; do
   if [[ $c == /* ]]; then [[ -e $c ]] || missing+=("${want[$c]}"); else command -v "$c" >/dev/null 2>&1 || missing+=("${want[$c]}"); fi
 done
 (( ${#missing[@]} )) || exit 0
-if ! command -v apt-get >/dev/null 2>&1; then
-  echo "[setup] no apt-get: install ${missing[*]} yourself to run the real-node tests (tests/node)" >&2
-  exit 0
-fi
-sudo=""
-[[ $(id -u) == 0 ]] || sudo="sudo"
-echo "[setup] installing ${missing[*]} (Debian packages, for the real node and image builds)" >&2
-export DEBIAN_FRONTEND=noninteractive
-$sudo apt-get update -qq
-# policy-rc.d: the packages must not start containerd as a system service (hack/node.sh runs its
-# own, with its own config and state); where there is no init system this only silences errors.
-if [[ ! -e /usr/sbin/policy-rc.d ]]; then
-  $sudo sh -c 'printf "#!/bin/sh\nexit 101\n" > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d'
-  trap '$sudo rm -f /usr/sbin/policy-rc.d' EXIT
-fi
-$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+# apt_install: hack/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
+apt_install "for the real node and image builds (tests/node)" "${missing[@]}"
