@@ -16,6 +16,8 @@
 # The fake nodes (two, 8 nvidia.com/gpu each) are NOT tainted: workloads the operator renders must
 # schedule onto them exactly as onto real GPU nodes, without test-only tolerations.
 set -euo pipefail
+# free_ports, pid_runs: hack/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 state=${PHASESPLIT_CLUSTER_DIR:-${TMPDIR:-/tmp}/phasesplit-cluster-$(id -u)}
@@ -34,14 +36,8 @@ die() { say "error: $*"; exit 1; }
 
 components=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok)
 
-# is_ours NAME: true when the pid recorded for NAME is alive and still runs our binary (a pid
-# file can outlive its process, and pids are reused).
-is_ours() {
-  local pid
-  pid=$(cat "$state/pids/$1" 2>/dev/null) || return 1
-  [[ -r /proc/$pid/cmdline ]] || return 1
-  tr '\0' ' ' < "/proc/$pid/cmdline" | grep -q -- "/$1 "
-}
+# is_ours NAME: the pid recorded for NAME is alive and still runs our binary (pid_runs: hack/lib.sh).
+is_ours() { pid_runs "$state/pids/$1" "/$1 "; }
 
 exports() {
   local bin
@@ -97,8 +93,6 @@ stop() {
   rm -rf "$state"
 }
 
-# free_ports: hack/lib.sh
-source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 # wait_for WHAT SECONDS CMD...: polls CMD until it succeeds; on timeout shows the logs and fails.
 wait_for() {

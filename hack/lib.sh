@@ -50,3 +50,12 @@ apt_install() {
   [[ -z $policy ]] || $sudo rm -f "$policy"
   return $rc
 }
+
+# pid_runs PIDFILE PATTERN: true when the pid in PIDFILE is alive and its command line contains
+# PATTERN (a pid file can outlive its process, and pids are reused).
+pid_runs() {
+  local pid
+  pid=$(cat "$1" 2>/dev/null) || return 1
+  [[ -r /proc/$pid/cmdline ]] || return 1
+  tr '\0' ' ' < "/proc/$pid/cmdline" | grep -q -- "$2"
+}

@@ -21,6 +21,8 @@
 # at 0; kubelet >= 1.35 refuses cgroup v1 unless failCgroupV1 is false; containerd 1.6 cannot report
 # its cgroup driver, so the kubelet is told (cgroupfs).
 set -euo pipefail
+# free_ports, pid_runs: hack/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cache=${PHASESPLIT_CACHE:-$HOME/.cache/phasesplit}
@@ -44,12 +46,8 @@ die() { say "error: $*"; exit 1; }
 kubectl_() { "$(cat "$cstate/bin-dir")/kubectl" --kubeconfig "$cstate/kubeconfig" "$@"; }
 ctr_() { ctr --address "$nstate/containerd/containerd.sock" -n k8s.io "$@"; }
 
-is_ours() {
-  local pid
-  pid=$(cat "$nstate/pids/$1" 2>/dev/null) || return 1
-  [[ -r /proc/$pid/cmdline ]] || return 1
-  tr '\0' ' ' < "/proc/$pid/cmdline" | grep -q -- "$2"
-}
+# is_ours NAME PATTERN: pid_runs (hack/lib.sh) on NAME's pid file.
+is_ours() { pid_runs "$nstate/pids/$1" "$2"; }
 
 start() {
   local name=$1; shift
@@ -106,8 +104,6 @@ current-context: phasesplit
 EOF
 }
 
-# free_ports: hack/lib.sh
-source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 # What `down` restores: sysctls, the nftables ruleset (iptables-nft's tables included: kube-proxy,
 # the kubelet and CNI all add rules), and which shared host paths existed before.

@@ -40,16 +40,17 @@ class MetricsSnapshot:
 
     @property
     def mean_prompt_tokens(self) -> float | None:
-        if self.prompt_tokens_mean is not None:
-            return self.prompt_tokens_mean
-        if not self.request_rate or self.prompt_token_rate is None:
-            return None
-        return self.prompt_token_rate / self.request_rate
+        return _per_request(self.prompt_tokens_mean, self.prompt_token_rate, self.request_rate)
 
     @property
     def mean_generated_tokens(self) -> float | None:
-        if self.generated_tokens_mean is not None:
-            return self.generated_tokens_mean
-        if not self.request_rate or self.generation_token_rate is None:
-            return None
-        return self.generation_token_rate / self.request_rate
+        return _per_request(self.generated_tokens_mean, self.generation_token_rate, self.request_rate)
+
+
+def _per_request(mean: float | None, token_rate: float | None, request_rate: float | None) -> float | None:
+    """The mean tokens per request: measured where a source gives it, else token rate / request rate."""
+    if mean is not None:
+        return mean
+    if not request_rate or token_rate is None:
+        return None
+    return token_rate / request_rate
