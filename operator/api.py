@@ -136,6 +136,11 @@ def defaults_to_empty_object() -> dict[str, Any]:
     return {"default": {}}
 
 
+def section(model: type[BaseModel], description: str) -> Any:
+    """A sub-object field that defaults to the model's defaults, in pydantic and in the CRD alike."""
+    return Field(default_factory=model, json_schema_extra=defaults_to_empty_object(), description=description)
+
+
 # ---------------------------------------------------------------------------------------------
 # model
 
@@ -255,9 +260,7 @@ class Toleration(ApiModel):
 class Placement(ApiModel):
     """Where and how big the pods of one component are."""
 
-    resources: ResourceRequirements = Field(
-        default_factory=ResourceRequirements, json_schema_extra=defaults_to_empty_object(),
-        description="Container resources; request GPUs as `nvidia.com/gpu` limits.")
+    resources: ResourceRequirements = section(ResourceRequirements, "Container resources; request GPUs as `nvidia.com/gpu` limits.")
     node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the pods require.")
     tolerations: list[Toleration] = Field(default_factory=list, description="Taints the pods tolerate.",
                                           max_length=32)
@@ -339,8 +342,7 @@ class RouterSpec(Placement):
     """The router: OpenAI-compatible front end that picks a decode and a prefill worker per request."""
 
     replicas: int = Field(1, description="Router pods.", ge=1, le=1000)
-    service: RouterServiceSpec = Field(default_factory=RouterServiceSpec, json_schema_extra=defaults_to_empty_object(),
-                                       description="How the router is exposed.")
+    service: RouterServiceSpec = section(RouterServiceSpec, "How the router is exposed.")
     api_key_secret_ref: SecretKeyRef | None = Field(
         None, description="Secret holding the API key clients must send as a Bearer token (unset: no auth).")
 
@@ -405,10 +407,8 @@ class ScaleDownRules(ScalingRules):
 class Behavior(ApiModel):
     """Scale-up and scale-down damping, per phase pool."""
 
-    scale_up: ScalingRules = Field(default_factory=ScalingRules, json_schema_extra=defaults_to_empty_object(),
-                                   description="Rules for adding replicas.")
-    scale_down: ScaleDownRules = Field(default_factory=ScaleDownRules, json_schema_extra=defaults_to_empty_object(),
-                                       description="Rules for removing replicas.")
+    scale_up: ScalingRules = section(ScalingRules, "Rules for adding replicas.")
+    scale_down: ScaleDownRules = section(ScaleDownRules, "Rules for removing replicas.")
 
 
 class MetricsSource(ApiModel):
@@ -449,12 +449,9 @@ class AutoscalingSpec(ApiModel):
                                "HorizontalPodAutoscaler per pool on queue metrics; Disabled: replicas as written.")
     interval: Interval = Field("30s", description="How often the planner decides, e.g. 30s.")
     ratio: RatioBounds | None = Field(None, description="Bounds on the prefill:decode replica ratio.")
-    behavior: Behavior = Field(default_factory=Behavior, json_schema_extra=defaults_to_empty_object(),
-                               description="Scale-up and scale-down damping (as in autoscaling/v2).")
-    metrics: MetricsSource = Field(default_factory=MetricsSource, json_schema_extra=defaults_to_empty_object(),
-                                   description="Where metrics come from.")
-    hpa_targets: HPATargets = Field(default_factory=HPATargets, json_schema_extra=defaults_to_empty_object(),
-                                    description="Metric targets used in HPA mode.")
+    behavior: Behavior = section(Behavior, "Scale-up and scale-down damping (as in autoscaling/v2).")
+    metrics: MetricsSource = section(MetricsSource, "Where metrics come from.")
+    hpa_targets: HPATargets = section(HPATargets, "Metric targets used in HPA mode.")
 
 
 class KVTransferSpec(ApiModel):
@@ -488,23 +485,14 @@ class InferenceServiceSpec(ApiModel):
         f"kvTransfer.port must differ from the runtime's HTTP port {HTTP_PORT}", ".kvTransfer.port")]})
 
     model: ModelSpec = Field(description="The model to serve.")
-    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec, json_schema_extra=defaults_to_empty_object(),
-                                 description="Runtime image and engine settings shared by all pods.")
-    prefill: PrefillSpec = Field(default_factory=PrefillSpec, json_schema_extra=defaults_to_empty_object(),
-                                 description="The prefill worker pool.")
-    decode: DecodeSpec = Field(default_factory=DecodeSpec, json_schema_extra=defaults_to_empty_object(),
-                               description="The decode worker pool.")
-    router: RouterSpec = Field(default_factory=RouterSpec, json_schema_extra=defaults_to_empty_object(),
-                               description="The router (OpenAI-compatible front end).")
-    slo: SLOSpec = Field(default_factory=SLOSpec, json_schema_extra=defaults_to_empty_object(),
-                         description="Latency targets.")
-    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec, json_schema_extra=defaults_to_empty_object(),
-                                         description="How the pools are sized.")
-    kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec, json_schema_extra=defaults_to_empty_object(),
-                                        description="KV cache transfer between the pools.")
-    network_policy: NetworkPolicySpec = Field(
-        default_factory=NetworkPolicySpec, json_schema_extra=defaults_to_empty_object(),
-        description="Network isolation of the worker pods.")
+    runtime: RuntimeSpec = section(RuntimeSpec, "Runtime image and engine settings shared by all pods.")
+    prefill: PrefillSpec = section(PrefillSpec, "The prefill worker pool.")
+    decode: DecodeSpec = section(DecodeSpec, "The decode worker pool.")
+    router: RouterSpec = section(RouterSpec, "The router (OpenAI-compatible front end).")
+    slo: SLOSpec = section(SLOSpec, "Latency targets.")
+    autoscaling: AutoscalingSpec = section(AutoscalingSpec, "How the pools are sized.")
+    kv_transfer: KVTransferSpec = section(KVTransferSpec, "KV cache transfer between the pools.")
+    network_policy: NetworkPolicySpec = section(NetworkPolicySpec, "Network isolation of the worker pods.")
     drain_timeout: Duration = Field(
         "5m", description="How long a pod being deleted (scale-down, rollout) may take to finish the requests "
                           "it holds: its generations stream to the end, its prefills and KV sends complete. "
