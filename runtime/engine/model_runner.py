@@ -165,13 +165,13 @@ class ModelRunner:
         self.shards = plan(self.cfg, tp)  # raises ShardingError for a size the model cannot take
         self.shard = self.shards[rank]
         self.ranks: Ranks | None = None
-        if tp > 1 and rank == 0:
-            self.ranks = Ranks(tp, files, rc, self.device)
-        elif tp > 1:
-            assert init_method is not None
-            init_group(rank, tp, init_method, self.device)
+        if tp > 1 and rank == 0:  # they load their shards while this one loads its own
+            self.ranks = Ranks(tp, files, rc)
         try:
             self._build(files, rc, control, t0)
+            if tp > 1 and rank > 0:
+                assert init_method is not None
+                init_group(rank, tp, init_method, self.device)
         except BaseException:
             self.close()
             raise
@@ -240,6 +240,7 @@ class ModelRunner:
         self.paged_kernel = kernel_decode_available(self.device, self.dtype)
         self.small_decode_batch = KERNEL_SMALL_DECODE_BATCH if self.paged_kernel else SMALL_DECODE_BATCH
         if self.ranks is not None:
+            self.ranks.join(self.device)
             self.ranks.wait_ready()
         tp = "" if self.tp_size == 1 else (f" (tensor-parallel rank {self.rank} of {self.tp_size}: query heads "
                                            f"{self.shard.heads}, KV heads {self.shard.kv_heads}, MLP {self.shard.ffn})")

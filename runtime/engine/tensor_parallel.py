@@ -63,10 +63,11 @@ def all_reduce(t: torch.Tensor) -> torch.Tensor:
 class Ranks:
     """Rank 0's handle on the other ranks: their processes and control pipes."""
 
-    def __init__(self, size: int, files: Any, rc: Any, device: torch.device) -> None:
+    def __init__(self, size: int, files: Any, rc: Any) -> None:
+        """Start the other ranks; `join` the group once this rank's own shard is loaded."""
         self.size = size
         self._dir = tempfile.mkdtemp(prefix="phasesplit-tp-")
-        init_method = f"file://{os.path.join(self._dir, 'rendezvous')}"
+        self.init_method = init_method = f"file://{os.path.join(self._dir, 'rendezvous')}"
         ctx = mp.get_context("spawn")  # a fork would copy the parent's threads and CUDA state
         self.procs: list[mp.process.BaseProcess] = []
         self.conns: list[Connection] = []
@@ -78,21 +79,16 @@ class Ranks:
             theirs.close()
             self.procs.append(p)
             self.conns.append(ours)
-        log.info("tensor parallel: started %d more rank(s), joining the %s group", size - 1, backend_for(device))
-        try:
-            self._join(init_method, device)
-        except BaseException:
-            self.close()
-            raise
+        log.info("tensor parallel: started %d more rank(s)", size - 1)
 
-    def _join(self, init_method: str, device: torch.device) -> None:
+    def join(self, device: torch.device) -> None:
         """Join the group, watching the other ranks: one that dies before joining would
         otherwise leave rank 0 waiting for it until the rendezvous times out."""
         joined, errors = threading.Event(), []
 
         def join() -> None:
             try:
-                init_group(0, self.size, init_method, device)
+                init_group(0, self.size, self.init_method, device)
             except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
                 errors.append(e)
             finally:
@@ -100,10 +96,10 @@ class Ranks:
 
         threading.Thread(target=join, name="tp-join", daemon=True).start()
         while not joined.wait(0.5):
-            for rank, p in enumerate(self.procs, start=1):
+            for rank, (c, p) in enumerate(zip(self.conns, self.procs, strict=True), start=1):
                 if not p.is_alive():
-                    raise RankError(f"tensor-parallel rank {rank} exited with {p.exitcode} before joining "
-                                    "(its error is in this log above)")
+                    why = c.recv() if c.poll() else f"exit code {p.exitcode}; its log is above"
+                    raise RankError(f"tensor-parallel rank {rank} failed before joining: {why}")
         if errors:
             raise errors[0]
 
