@@ -55,7 +55,13 @@ def init_group(rank: int, size: int, init_method: str, device: torch.device) -> 
 
 
 def all_reduce(t: torch.Tensor) -> torch.Tensor:
-    """Sum a partial product over the ranks, in place."""
+    """Sum a partial product over the ranks. On CPU a bf16/fp16 one is summed in fp32 and
+    rounded once, as one rank's matmul would (gloo adds in the tensor's own dtype, rounding at
+    every add); NCCL sums low precision natively, as vLLM and Megatron do."""
+    if t.device.type == "cpu" and t.dtype != torch.float32:
+        acc = t.float()
+        dist.all_reduce(acc)
+        return acc.to(t.dtype)
     dist.all_reduce(t)
     return t
 
