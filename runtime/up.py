@@ -160,8 +160,8 @@ def up(args: argparse.Namespace) -> int:
             argv = ["serve", "--role", role, "--host", host, "--port", str(port), *model, *common, *extra]
             if role == "decode":  # the prefill workers it may call (it takes no URL from a body on trust)
                 argv += ["--prefill-urls", ",".join(urls["prefill"])]
-            if cpus:
-                argv += ["--threads", str(len(cpus))]
+            if cpus:  # --threads is per tensor-parallel rank; the ranks share the worker's cores
+                argv += ["--threads", str(max(1, len(cpus) // args.tensor_parallel_size))]
             children.append(Child(role, argv, cpus, url, env))
             urls[role].append(url)
             print(f"[up] {role} worker on {url} (pid {children[-1].p.pid})"
