@@ -221,7 +221,8 @@ class RuntimeSpec(ApiModel):
                                       ge=16, le=1048576)
     block_size: int = Field(16, description="Tokens per KV cache block.", ge=1, le=1024)
     kv_cache_memory: str | None = Field(
-        None, description="Memory for the KV cache per worker, e.g. 2GiB (default: a fraction of free memory).",
+        None, description="Memory for the KV cache per worker (per tensor-parallel rank), e.g. 2GiB (default: a "
+                          "fraction of free memory).",
         pattern=MEMORY_PATTERN, max_length=32)
     env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables.", max_length=64)
     args: list[str] = Field(default_factory=list, description="Extra arguments appended to `phasesplit serve` in "
@@ -267,7 +268,13 @@ class Placement(ApiModel):
     affinity: FreeObject | None = Field(None, description="Pod affinity rules (core/v1 Affinity).")
 
 
+GPU = "nvidia.com/gpu"
 _REPLICA_RULES = [
+    # Quantities are int-or-string: compared as strings ("2" and 2 alike).
+    cel("!has(self.tensorParallelSize) || self.tensorParallelSize == 1 || !has(self.resources.limits) || "
+        "!('nvidia.com/gpu' in self.resources.limits) || "
+        "string(self.resources.limits['nvidia.com/gpu']) == string(self.tensorParallelSize)",
+        "nvidia.com/gpu must equal tensorParallelSize (one GPU per rank)", ".resources.limits"),
     cel("!has(self.minReplicas) || self.minReplicas <= self.replicas",
         "minReplicas must be less than or equal to replicas", ".minReplicas"),
     cel("!has(self.maxReplicas) || self.replicas <= self.maxReplicas",
@@ -292,6 +299,18 @@ class PhaseSpec(Placement):
                                      ge=1, le=65536)
     max_num_batched_tokens: int | None = Field(
         None, description="Token budget of one engine step (prefill chunks are cut to fit).", ge=1, le=1048576)
+    tensor_parallel_size: int = Field(
+        1, description="Tensor-parallel ranks per worker pod (one process each; `--tensor-parallel-size`). "
+                       "With device cuda each pod gets this many `nvidia.com/gpu`; the model must split into "
+                       "that many parts (runtime docs/engine.md).", ge=1, le=64)
+
+    @model_validator(mode="after")
+    def _gpus_per_rank(self) -> PhaseSpec:
+        gpus = (self.resources.limits or {}).get(GPU)
+        if self.tensor_parallel_size > 1 and gpus is not None and str(gpus) != str(self.tensor_parallel_size):
+            raise ValueError(f"nvidia.com/gpu must equal tensorParallelSize (one GPU per rank): limits give "
+                             f"{gpus}, tensorParallelSize is {self.tensor_parallel_size}")
+        return self
 
     @model_validator(mode="after")
     def _replica_bounds(self) -> PhaseSpec:

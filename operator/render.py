@@ -156,6 +156,8 @@ def container_args(owner: Owner, spec: api.InferenceServiceSpec, component: str)
             args.append(f"--max-num-seqs={phase.max_num_seqs}")
         if phase.max_num_batched_tokens:
             args.append(f"--max-num-batched-tokens={phase.max_num_batched_tokens}")
+        if phase.tensor_parallel_size > 1:
+            args.append(f"--tensor-parallel-size={phase.tensor_parallel_size}")
     if component == "decode":
         kv = spec.kv_transfer
         # --prefill-service: the headless Service whose addresses are the prefill workers this
@@ -226,6 +228,18 @@ def _probe(path: str, **timing: int) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": "http"}, **timing}
 
 
+def _resources(spec: api.InferenceServiceSpec, component: str) -> dict[str, Any]:
+    """The container's resources; a tensor-parallel CUDA pod gets one GPU per rank (validation
+    has checked that GPU limits the spec names match the rank count)."""
+    placement: api.Placement = spec.router if component == "router" else spec.phase(component)
+    res = placement.resources.wire()
+    if component in api.PHASES and spec.runtime.device == "cuda":
+        tp = spec.phase(component).tensor_parallel_size
+        if tp > 1 and api.GPU not in res.get("limits", {}):
+            res["limits"] = {**res.get("limits", {}), api.GPU: tp}
+    return res
+
+
 def pod_template(owner: Owner, spec: api.InferenceServiceSpec, component: str) -> dict[str, Any]:
     placement: api.Placement = spec.router if component == "router" else spec.phase(component)
     volumes, mounts = _volumes(spec)
@@ -240,7 +254,7 @@ def pod_template(owner: Owner, spec: api.InferenceServiceSpec, component: str) -
         "args": container_args(owner, spec, component),
         "ports": ports,
         "env": _env(owner, spec, component),
-        "resources": placement.resources.wire(),
+        "resources": _resources(spec, component),
         "volumeMounts": mounts,
         # Loading (and on first start converting) the model can take minutes: the startup probe
         # holds liveness off until /health answers, readiness waits for the model (/ready).

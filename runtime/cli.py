@@ -48,6 +48,16 @@ def parse_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
+    return value
+
+
 def _url_list(text: str) -> list[str]:
     return [u.strip().rstrip("/") for u in text.split(",") if u.strip()]
 
@@ -75,7 +85,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="token budget of one engine step (prefill chunks are cut to fit)")
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="turn off prefix caching")
-    g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all allowed)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch, per tensor-parallel rank (default: the allowed CPUs / ranks)")
+    g.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N",
+                   help="split the model over N processes (one per GPU on CUDA; gloo on CPU): attention by "
+                        "KV-head groups, the MLP by columns (docs/engine.md)")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:

@@ -24,7 +24,7 @@ import httpx
 from phasesplit.runtime import internal_secret
 
 _FORWARD = ("model", "served_model_name", "device", "dtype", "max_model_len", "block_size", "kv_cache_memory",
-            "kv_cache_fraction", "max_num_seqs", "max_num_batched_tokens")
+            "kv_cache_fraction", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
 
 
 def _free_port() -> int:
@@ -160,8 +160,8 @@ def up(args: argparse.Namespace) -> int:
             argv = ["serve", "--role", role, "--host", host, "--port", str(port), *model, *common, *extra]
             if role == "decode":  # the prefill workers it may call (it takes no URL from a body on trust)
                 argv += ["--prefill-urls", ",".join(urls["prefill"])]
-            if cpus:
-                argv += ["--threads", str(len(cpus))]
+            if cpus:  # --threads is per tensor-parallel rank; the ranks share the worker's cores
+                argv += ["--threads", str(max(1, len(cpus) // args.tensor_parallel_size))]
             children.append(Child(role, argv, cpus, url, env))
             urls[role].append(url)
             print(f"[up] {role} worker on {url} (pid {children[-1].p.pid})"

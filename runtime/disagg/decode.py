@@ -212,13 +212,18 @@ class DecodeConnector(KVConnector):
         with_logprobs = p.logprobs is not None or p.prompt_logprobs is not None
         landed: list[tuple[int, float]] = []
 
+        # A tensor-parallel decode worker receives every head into a buffer of its own, which
+        # the engine scatters to the ranks when the request joins the batch (remote_prefilled).
+        landing = self.aengine.engine.runner.kv_landing(len(t.prompt))
+        kv = None if landing is None else (t.skip, landing[:, :, t.skip :])
+
         def on_done(first_token: int, nbytes: int, seconds: float) -> None:  # receiver thread
             self.metrics.child(self.metrics.kv_bytes).inc(nbytes)
             self.metrics.child(self.metrics.kv_transfer).observe(seconds)
             if with_logprobs:
                 landed.append((first_token, seconds))
             else:
-                self.aengine.call(lambda e: e.remote_prefilled(rid, first_token, seconds))
+                self.aengine.call(lambda e: e.remote_prefilled(rid, first_token, seconds, kv=kv))
             loop.call_soon_threadsafe(done.set)
 
         def on_fail(why: str) -> None:  # receiver thread
@@ -228,7 +233,7 @@ class DecodeConnector(KVConnector):
         with self.lock:
             if t.ended:
                 raise RemoteError("the request ended before its prefill started")
-            self.receiver.expect(tid, t.slots, t.skip, on_done, on_fail)
+            self.receiver.expect(tid, t.slots, t.skip, on_done, on_fail, landing)
             t.tid = tid
         call = PrefillCall(request_id=rid, prompt_ids=t.prompt, params=t.params, kv_host=self.kv_host,
                            kv_port=self.receiver.port, transfer_id=tid, skip=t.skip)
@@ -240,7 +245,7 @@ class DecodeConnector(KVConnector):
             if landed:
                 first, seconds = landed[0]
                 self.aengine.call(lambda e: e.remote_prefilled(rid, first, seconds, reply.logprob,
-                                                               reply.prompt_logprobs))
+                                                               reply.prompt_logprobs, kv))
         finally:
             # Late frames of this attempt can no longer land; one already landing is waited for
             # (its connection is cut, so it ends at once) before the blocks are retried or freed.

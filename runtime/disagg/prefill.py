@@ -12,11 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 
 from phasesplit.runtime.disagg.messages import PrefillCall, PrefillDone
 from phasesplit.runtime.engine.engine import KVConnector
-from phasesplit.runtime.engine.model_runner import ModelRunner
+from phasesplit.runtime.engine.model_runner import LayerStream, ModelRunner
 from phasesplit.runtime.engine.scheduler import ScheduledBatch
 from phasesplit.runtime.engine.sequence import Sequence
 from phasesplit.runtime.kv.sender import KVSender, TransferFailed
@@ -42,7 +41,7 @@ class PrefillConnector(KVConnector):
 
     # -- engine thread --------------------------------------------------------------------------
 
-    def begin_step(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
+    def begin_step(self, batch: ScheduledBatch) -> LayerStream | None:
         self._items = []
         for seq, chunk in batch.prefill:
             out = self.outgoing.get(seq.request_id)
@@ -52,11 +51,15 @@ class PrefillConnector(KVConnector):
             if hi > out.sent_upto:  # includes prefix-cache hits on the first chunk: the decoder lacks them
                 self._items.append((seq, out.sent_upto, hi, out.sender))
                 out.sent_upto = hi
-        return self._layer_done if self._items else None
+        if not self._items:
+            return None
+        return LayerStream([(seq, lo, hi) for seq, lo, hi, _ in self._items], self._layer_done)
 
-    def _layer_done(self, layer: int) -> None:
-        for seq, lo, hi, sender in self._items:
-            sender.send_layer(layer, lo, self.runner.read_kv(seq, layer, lo, hi))
+    def _layer_done(self, layer: int, kvs: list) -> None:
+        # All KV heads (gathered from the tensor-parallel ranks if any): the wire carries whole
+        # layers, so a decode worker of any TP size takes them (it re-slices by head).
+        for (_, lo, _, sender), kv in zip(self._items, kvs, strict=True):
+            sender.send_layer(layer, lo, kv)
 
     # -- event loop -----------------------------------------------------------------------------
 

@@ -14,13 +14,12 @@ engine only calls it through `KVConnector` and takes its results (`remote_prefil
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from phasesplit.runtime.engine.block_manager import BlockManager
 from phasesplit.runtime.engine.grammar import GrammarError, Grammars, grammar_text
-from phasesplit.runtime.engine.model_runner import ModelRunner, RunnerConfig
+from phasesplit.runtime.engine.model_runner import LayerStream, ModelRunner, RunnerConfig
 from phasesplit.runtime.engine.sampling import Sampler, choice_seed, logprobs_of
 from phasesplit.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from phasesplit.runtime.engine.sequence import Sequence, Status
@@ -51,8 +50,8 @@ class KVConnector:
 
     Decode worker: `reserved` when a remote request's blocks are reserved (start filling them;
     False: prefill it here instead), `release` when they are dropped before its K/V arrived
-    (abort, failure, fallback). Prefill worker: `begin_step` per step, returning the per-layer
-    callback that streams the step's new K/V out, or None. The defaults do nothing.
+    (abort, failure, fallback). Prefill worker: `begin_step` per step, returning which K/V the
+    step streams out and where to (a LayerStream), or None. The defaults do nothing.
     """
 
     def reserved(self, seq: Sequence) -> bool:
@@ -63,7 +62,7 @@ class KVConnector:
         connector keeps them and hands them back with `LLMEngine.release_blocks` later."""
         return True
 
-    def begin_step(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
+    def begin_step(self, batch: ScheduledBatch) -> LayerStream | None:
         return None
 
 
@@ -255,12 +254,17 @@ class LLMEngine:
 
     def remote_prefilled(self, request_id: str, first_token: int, transfer_s: float | None = None,
                          logprob: dict[str, Any] | None = None,
-                         prompt_logprobs: list[dict[str, Any] | None] | None = None) -> bool:
+                         prompt_logprobs: list[dict[str, Any] | None] | None = None,
+                         kv: tuple[int, Any] | None = None) -> bool:
         """The prompt's K/V arrived: join the running batch with the prefill's first token (and
-        its logprob, and the prompt's, when the request asked for them); other choices fork it."""
+        its logprob, and the prompt's, when the request asked for them); other choices fork it.
+        `kv` (first position, [2, layers, tokens, kv_heads, head_dim]): K/V that landed outside
+        the cache (a tensor-parallel decode worker), stored now, while the blocks are still ours."""
         seq = self.seqs.get(request_id)
         if seq is None or seq.status is not Status.REMOTE_PREFILL or not seq.block_table:
             return False
+        if kv is not None:
+            self.runner.write_kv(seq, *kv)
         seq.num_computed = len(seq.prompt_ids)
         seq.kv_transfer_s = transfer_s
         if prompt_logprobs is not None and seq.prompt_lp is not None:
@@ -322,14 +326,14 @@ class LLMEngine:
             if seq.first_scheduled is None:
                 seq.first_scheduled = now
                 self.observer.on_scheduled(seq)
-        after_layer = self.connector.begin_step(batch)  # split prefill: streams each layer's K/V out
+        stream = self.connector.begin_step(batch)  # split prefill: streams each layer's K/V out
         t0 = time.perf_counter()
         # Constrained rows' masks depend only on tokens already accepted: compute them on the
         # grammar thread while the forward pass runs (llguidance releases the GIL), not after it.
         to_sample = batch.decode + [seq for seq, chunk in batch.prefill if seq.num_computed + chunk == len(seq)]
         constrained = [seq for seq in to_sample if seq.matcher is not None]
         masks = self.grammars.allowed_async([seq.matcher for seq in constrained]) if constrained else None
-        sampled, logits, prompt_logits = self.runner.run(batch, after_layer)
+        sampled, logits, prompt_logits = self.runner.run(batch, stream)
         for seq, _ in batch.prefill:
             self.blocks.register_computed(seq)
         for seq, first, rows in prompt_logits:
@@ -417,6 +421,10 @@ class LLMEngine:
             self.groups.pop(seq.group, None)
             self.forks.pop(seq.group, None)
         self.observer.on_finished(seq, now)
+
+    def close(self) -> None:
+        """Stop the model's other tensor-parallel ranks (a no-op without TP)."""
+        self.runner.close()
 
     # -- offline use --------------------------------------------------------------------------
 

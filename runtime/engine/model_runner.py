@@ -10,21 +10,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from phasesplit.runtime.engine.cuda_graphs import DecodeGraphs
 from phasesplit.runtime.engine.scheduler import ScheduledBatch
 from phasesplit.runtime.engine.sequence import Sequence
+from phasesplit.runtime.engine.tensor_parallel import Ranks, all_reduce, init_group
 from phasesplit.runtime.kernels import hugepages
 from phasesplit.runtime.model.attention import (
     DECODE_WIDTH_STEP,
     build_metadata,
     kernel_decode_available,
     read_rows,
+    write_rows,
 )
 from phasesplit.runtime.model.config import ModelConfig
 from phasesplit.runtime.model.files import ModelFiles, read_config
 from phasesplit.runtime.model.llama import LlamaModel, rope_inv_freq
 from phasesplit.runtime.model.loader import load_weights
+from phasesplit.runtime.model.sharding import kv_owners, plan
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +53,32 @@ class RunnerConfig:
     kv_cache_memory: int | None = None  # bytes; None: kv_cache_fraction of free memory
     kv_cache_fraction: float = 0.3
     max_model_len: int | None = None
-    threads: int | None = None
+    threads: int | None = None  # per tensor-parallel rank; None: the allowed CPUs / ranks
+    tensor_parallel_size: int = 1
 
 
-def pick_device(name: str) -> torch.device:
+@dataclass
+class LayerStream:
+    """K/V a step streams out as each layer finishes (split prefill): positions [lo, hi) of each
+    listed sequence. `send(layer, kvs)` gets them once layer's K/V are in the cache, one
+    [2, tokens, kv_heads, head_dim] CPU tensor per read with all of the model's KV heads (under
+    tensor parallelism gathered from the ranks that hold them)."""
+
+    reads: list[tuple[Sequence, int, int]]
+    send: Callable[[int, list[torch.Tensor]], None]
+
+
+def pick_device(name: str, rank: int = 0, tp: int = 1) -> torch.device:
+    """The device of a (tensor-parallel) rank: under TP on CUDA, rank r takes GPU r of the pod."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was asked for but torch sees no CUDA device")
+    if name == "cuda" and tp > 1:
+        if torch.cuda.device_count() < tp:
+            raise RuntimeError(f"--tensor-parallel-size {tp} needs {tp} GPUs; torch sees {torch.cuda.device_count()}")
+        torch.cuda.set_device(rank)
+        return torch.device("cuda", rank)
     return torch.device(name)
 
 
@@ -122,17 +144,45 @@ def available_memory(device: torch.device) -> int:
 
 
 class ModelRunner:
-    def __init__(self, files: ModelFiles, rc: RunnerConfig) -> None:
+    """One rank's model and KV cache. Under tensor parallelism (rc.tensor_parallel_size > 1)
+    rank 0 is the one the engine uses: it starts the other ranks (tensor_parallel.py), which
+    build their own ModelRunner with `rank` and `control` (their pipe from rank 0) and then run
+    what rank 0 sends them (`handle`)."""
+
+    def __init__(self, files: ModelFiles, rc: RunnerConfig, rank: int = 0, control=None,
+                 init_method: str | None = None) -> None:
         t0 = time.perf_counter()
-        if threads := rc.threads or cpu_threads():
+        tp = rc.tensor_parallel_size
+        self.rank, self.tp_size = rank, tp
+        threads = rc.threads or cpu_threads()
+        if threads and not rc.threads and tp > 1:  # the ranks share the allowed CPUs
+            threads = max(1, threads // tp)
+        if threads:
             torch.set_num_threads(threads)
-        self.device = pick_device(rc.device)
+        self.device = pick_device(rc.device, rank, tp)
         self.dtype = pick_dtype(rc.dtype, self.device)
         self.cfg: ModelConfig = read_config(files)
+        self.shards = plan(self.cfg, tp)  # raises ShardingError for a size the model cannot take
+        self.shard = self.shards[rank]
+        self.ranks: Ranks | None = None
+        if tp > 1 and rank == 0:  # they load their shards while this one loads its own
+            self.ranks = Ranks(tp, files, rc)
+        try:
+            self._build(files, rc, control, t0)
+            if tp > 1 and rank > 0:
+                assert init_method is not None
+                init_group(rank, tp, init_method, self.device)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, files: ModelFiles, rc: RunnerConfig, control, t0: float) -> None:
         with torch.device("meta"):
-            model = LlamaModel(self.cfg)
+            model = LlamaModel(self.cfg, self.shard)
         load_weights(model, files, self.dtype, self.device)
         model.inv_freq = rope_inv_freq(self.cfg).to(self.device)
+        if self.tp_size > 1:
+            model.all_reduce = all_reduce
         layouts = model.pack_for_cpu()
         if set(layouts) != {"plain"}:
             log.info("weights re-laid for the CPU matmul: %s",
@@ -140,23 +190,34 @@ class ModelRunner:
         self.model = model.eval()
         self.block_size = rc.block_size
         self.max_model_len = min(rc.max_model_len or self.cfg.max_position, self.cfg.max_position)
-        per_token = self.cfg.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
-        budget = rc.kv_cache_memory or int(available_memory(self.device) * rc.kv_cache_fraction)
-        if rc.kv_cache_memory is None and self.device.type == "cpu":
-            budget = min(budget, CPU_DEFAULT_KV_CAP)
-        self.num_blocks = budget // (per_token * self.block_size)
-        if self.num_blocks < 2:
-            raise ValueError(f"KV cache budget of {budget} bytes holds fewer than 2 blocks "
-                             f"({per_token * self.block_size} bytes each); raise --kv-cache-memory")
+        # Every rank needs the same number of blocks (one block table for all); rank 0 sizes them
+        # for the rank holding the most KV heads and tells the others. The budget is per rank.
+        heads = max(s.num_kv_heads for s in self.shards)
+        per_token = self.cfg.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8) * heads // self.cfg.num_kv_heads
+        if self.rank == 0:
+            budget = rc.kv_cache_memory or int(available_memory(self.device) * rc.kv_cache_fraction)
+            if rc.kv_cache_memory is None and self.device.type == "cpu":
+                budget = min(budget, CPU_DEFAULT_KV_CAP)
+            self.num_blocks = budget // (per_token * self.block_size)
+            if self.num_blocks < 2:
+                raise ValueError(f"KV cache budget of {budget} bytes holds fewer than 2 blocks "
+                                 f"({per_token * self.block_size} bytes each); raise --kv-cache-memory")
+            if self.ranks is not None:
+                self.ranks.send(("blocks", self.num_blocks))
+        else:
+            kind, self.num_blocks = control.recv()
+            assert kind == "blocks", kind
         c = self.cfg
         # Left uninitialised: zeroing gigabytes costs seconds at every start. Attention only reads
         # slots that were written, except padding in batched decode, which points at slot 0; that
         # slot must hold finite numbers (a NaN there would survive its zero attention weight).
         # On CUDA one block more than the block manager hands out: padding rows of graph-replayed
         # decode steps write their K/V there (cuda_graphs.py).
-        use_graphs = self.device.type == "cuda" and os.environ.get("PHASESPLIT_CUDA_GRAPHS", "1") != "0"
+        # Not under tensor parallelism: the all-reduces would have to be captured too (untested).
+        use_graphs = (self.device.type == "cuda" and self.tp_size == 1
+                      and os.environ.get("PHASESPLIT_CUDA_GRAPHS", "1") != "0")
         slots = (self.num_blocks + (1 if use_graphs else 0)) * self.block_size
-        shape = (2, c.num_layers, slots, c.num_kv_heads, c.head_dim)
+        shape = (2, c.num_layers, slots, self.shard.num_kv_heads, c.head_dim)
         if self.device.type == "cpu":  # decode reads scattered blocks of it: huge pages help the TLB
             self.kv_cache = hugepages.empty(math.prod(shape), self.dtype).view(shape)
         else:
@@ -178,22 +239,37 @@ class ModelRunner:
         self._step_threads = self.threads
         self.paged_kernel = kernel_decode_available(self.device, self.dtype)
         self.small_decode_batch = KERNEL_SMALL_DECODE_BATCH if self.paged_kernel else SMALL_DECODE_BATCH
-        log.info("model loaded on %s/%s in %.2fs; KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
-                 self.device, str(self.dtype).removeprefix("torch."), time.perf_counter() - t0,
+        if self.ranks is not None:
+            self.ranks.join(self.device)
+            self.ranks.wait_ready()
+        tp = "" if self.tp_size == 1 else (f" (tensor-parallel rank {self.rank} of {self.tp_size}: query heads "
+                                           f"{self.shard.heads}, KV heads {self.shard.kv_heads}, MLP {self.shard.ffn})")
+        log.info("model loaded on %s/%s in %.2fs%s; KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
+                 self.device, str(self.dtype).removeprefix("torch."), time.perf_counter() - t0, tp,
                  self.num_blocks, self.block_size, self.num_blocks * self.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
 
-    @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, after_layer: Callable[[int], None] | None = None
-            ) -> tuple[list[Sequence], torch.Tensor, list[tuple[Sequence, int, torch.Tensor]]]:
-        """One forward pass. Returns the sequences that reached their end this step (they need a
-        sampled token) and their logits, row for row; and for sequences that asked for prompt
-        logprobs, (sequence, first prompt position predicted, logits predicting it and on)."""
-        small = self.small_step_threads and not batch.prefill and len(batch.decode) <= self.small_decode_batch
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (rank 0; nothing to do without TP)."""
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None
+
+    def _set_step_threads(self, prefill: bool, num_decode: int) -> None:
+        small = self.small_step_threads and not prefill and num_decode <= self.small_decode_batch
         threads = self.small_step_threads if small else self.threads
         if threads != self._step_threads:
             torch.set_num_threads(threads)
             self._step_threads = threads
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, stream: LayerStream | None = None
+            ) -> tuple[list[Sequence], torch.Tensor, list[tuple[Sequence, int, torch.Tensor]]]:
+        """One forward pass. Returns the sequences that reached their end this step (they need a
+        sampled token) and their logits, row for row; and for sequences that asked for prompt
+        logprobs, (sequence, first prompt position predicted, logits predicting it and on).
+        Under tensor parallelism the other ranks run the same step (sent to them first)."""
+        self._set_step_threads(bool(batch.prefill), len(batch.decode))
         ids: list[int] = []
         pos: list[int] = []
         logits_rows: list[int] = []
@@ -222,10 +298,17 @@ class ModelRunner:
                     base = len(ids) - chunk - start
                     prompt_rows.append((seq, lo + 1, [base + p for p in range(lo, hi)]))
         decode = [(s.block_table, len(s)) for s in batch.decode]
+        reads = [] if stream is None else [self.slots(seq, lo, hi) for seq, lo, hi in stream.reads]
+        after_layer = None
+        if stream is not None:
+            def after_layer(layer: int) -> None:
+                stream.send(layer, [self._gather_kv(layer, slots) for slots in reads])
         logits = None
-        if self.graphs is not None and decode and not batch.prefill and after_layer is None:
+        if self.graphs is not None and decode and not batch.prefill and stream is None:
             logits = self.graphs.run(decode, ids)
         if logits is None:
+            if self.ranks is not None:
+                self.ranks.send(("step", ids, pos, decode, prefill_meta, [r.tolist() for r in reads]))
             rows = logits_rows + [r for _, _, rs in prompt_rows for r in rs]
             logits = self._forward(ids, pos, rows, decode, prefill_meta, after_layer)
         prompt_logits = []
@@ -240,9 +323,9 @@ class ModelRunner:
             seq.num_computed += chunk
         return sampled, logits, prompt_logits
 
-    def _forward(self, ids: list[int], pos: list[int], logits_rows: list[int], decode: list[tuple[list[int], int]],
-                 prefill_meta: list[tuple[list[int], int, int]], after_layer: Callable[[int], None] | None
-                 ) -> torch.Tensor:
+    def _forward(self, ids: list[int], pos: list[int], logits_rows: list[int] | None,
+                 decode: list[tuple[list[int], int]], prefill_meta: list[tuple[list[int], int, int]],
+                 after_layer: Callable[[int], None] | None) -> torch.Tensor | None:
         meta = build_metadata(decode, prefill_meta, self.block_size, self.device, self.dtype, self.paged_kernel)
         dev = self.device
         return self.model(
@@ -250,15 +333,82 @@ class ModelRunner:
             torch.tensor(pos, dtype=torch.long, device=dev),
             self.kv_cache,
             meta,
-            torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            None if logits_rows is None else torch.tensor(logits_rows, dtype=torch.long, device=dev),
             after_layer,
         )
 
-    def read_kv(self, seq: Sequence, layer: int, begin: int, end: int) -> torch.Tensor:
-        """One layer's K and V of positions [begin, end), copied to the CPU: [2, tokens, kv_heads, head_dim]."""
-        slots = self.slots(seq, begin, end)
+    def _gather_kv(self, layer: int, slots: torch.Tensor) -> torch.Tensor | None:
+        """One layer's K and V at `slots` with all KV heads, on the CPU: [2, tokens, kv_heads,
+        head_dim]. Under TP every rank calls it at the same point: the ranks that hold a head
+        range first send theirs to rank 0, which returns the whole (the others get None)."""
         cache = self.kv_cache
-        return torch.stack((read_rows(cache[0, layer], slots), read_rows(cache[1, layer], slots))).to("cpu")
+        local = torch.stack((read_rows(cache[0, layer], slots), read_rows(cache[1, layer], slots)))
+        if self.tp_size == 1:
+            return local.to("cpu")
+        owners = kv_owners(self.shards)
+        if self.rank != 0:
+            if self.shard in owners:
+                dist.send(local.contiguous(), dst=0)
+            return None
+        parts = [local]
+        for o in owners[1:]:  # rank 0 holds the first heads
+            buf = torch.empty((2, len(slots), o.num_kv_heads, self.cfg.head_dim), dtype=self.dtype, device=self.device)
+            dist.recv(buf, src=o.rank)
+            parts.append(buf)
+        return torch.cat(parts, dim=2).to("cpu")
+
+    def kv_landing(self, tokens: int) -> torch.Tensor | None:
+        """Where a decode worker receives a remote prefill's K/V when its cache does not hold
+        every KV head (tensor parallelism): [2, layers, tokens, kv_heads, head_dim] on the CPU,
+        handed to write_kv once complete. None: frames go straight into the cache."""
+        if self.tp_size == 1:
+            return None
+        c = self.cfg
+        return torch.empty((2, c.num_layers, tokens, c.num_kv_heads, c.head_dim), dtype=self.dtype)
+
+    @torch.inference_mode()
+    def write_kv(self, seq: Sequence, start: int, kv: torch.Tensor) -> None:
+        """Store K/V of all layers for positions [start, start + tokens) of a sequence; kv is
+        [2, layers, tokens, kv_heads, head_dim] with all of the model's KV heads (a landed remote
+        prefill). Each tensor-parallel rank keeps its own heads."""
+        slots = self.slots(seq, start, start + kv.shape[2])
+        if self.ranks is not None:
+            self.ranks.send(("write_kv", slots.tolist()))
+            for s in self.shards[1:]:
+                lo, hi = s.kv_heads
+                dist.send(kv[:, :, :, lo:hi].contiguous().to(self.device), dst=s.rank)
+        lo, hi = self.shard.kv_heads
+        self._write_local(slots, kv[:, :, :, lo:hi].to(self.device))
+
+    def _write_local(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        kv = kv.contiguous()
+        for layer in range(kv.shape[1]):
+            write_rows(self.kv_cache[0, layer], slots, kv[0, layer])
+            write_rows(self.kv_cache[1, layer], slots, kv[1, layer])
+
+    @torch.inference_mode()
+    def handle(self, msg: tuple) -> None:
+        """A tensor-parallel rank other than 0: run one message from rank 0 (tensor_parallel.py)."""
+        kind = msg[0]
+        if kind == "step":
+            _, ids, pos, decode, prefill_meta, reads = msg
+            self._set_step_threads(bool(prefill_meta), len(decode))
+            slots = [torch.tensor(r, dtype=torch.long, device=self.device) for r in reads]
+            after_layer = None
+            if slots:
+                def after_layer(layer: int) -> None:
+                    for s in slots:
+                        self._gather_kv(layer, s)
+            self._forward(ids, pos, None, decode, prefill_meta, after_layer)
+        elif kind == "write_kv":
+            slots = torch.tensor(msg[1], dtype=torch.long, device=self.device)
+            c = self.cfg
+            buf = torch.empty((2, c.num_layers, len(slots), self.shard.num_kv_heads, c.head_dim),
+                              dtype=self.dtype, device=self.device)
+            dist.recv(buf, src=0)
+            self._write_local(slots, buf)
+        else:
+            raise ValueError(f"unknown tensor-parallel message {kind!r}")
 
     def slots(self, seq: Sequence, begin: int, end: int) -> torch.Tensor:
         """Flat cache slots of token positions [begin, end) of a sequence."""

@@ -15,6 +15,11 @@ it must go on. A stalled frame ends after STALL_TIMEOUT. Later frames of a cance
 read and dropped. A truncated frame leaves garbage only in its own transfer's slots, and that
 transfer fails.
 
+A tensor-parallel decode worker's cache holds only its rank's KV heads, while frames carry every
+head (whatever the prefill worker's TP size): its transfers land in a per-transfer CPU buffer
+(`expect(..., landing=)`), contiguous per layer, which the decode side scatters to the ranks by
+head once the transfer is done (ModelRunner.write_kv).
+
 Hostile peers: a connection must first pass the internal-secret handshake (kv/handshake.py)
 within HANDSHAKE_TIMEOUT, before any frame is read; at most `max_connections` are open at once
 (more are closed on accept); a link idle for `idle_timeout` between frames is closed (the sender
@@ -84,6 +89,10 @@ class Expected:
     busy: int = 0  # frames being received into this transfer's slots right now
     dead: bool = False  # cancelled, failed or done: no new frame may start
     released: list[Callable[[], None]] = field(default_factory=list)  # to call when busy drops to 0
+    # [2, layers, len(slots), kv_heads, head_dim] CPU tensor frames land in instead of the cache
+    # (a tensor-parallel decode worker, whose cache holds only its own heads); its bytes:
+    landing: torch.Tensor | None = None
+    landing_bytes: memoryview | None = None
 
 
 class KVReceiver:
@@ -114,11 +123,22 @@ class KVReceiver:
         threading.Thread(target=self._accept, name="kv-accept", daemon=True).start()
 
     def expect(self, transfer_id: int, slots: torch.Tensor, skip: int,
-               on_done: Callable[[int, int, float], None], on_fail: Callable[[str], None]) -> None:
+               on_done: Callable[[int, int, float], None], on_fail: Callable[[str], None],
+               landing: torch.Tensor | None = None) -> None:
+        """Accept a transfer into `slots` (one per prompt position), or, with `landing` (a
+        contiguous CPU [2, layers, len(slots), kv_heads, head_dim] tensor), into that: frames
+        then carry every KV head of the model, and the caller stores them when done."""
+        landing_bytes = None
+        if landing is not None:
+            if (not landing.is_contiguous() or landing.device.type != "cpu" or landing.shape[2] != len(slots)
+                    or landing.shape[1] != self.layers or landing.dtype != self.kv_cache.dtype):
+                raise ValueError(f"landing buffer {tuple(landing.shape)} does not fit {len(slots)} positions")
+            landing_bytes = memoryview(landing.view(-1).view(torch.uint8).numpy()).cast("B")
         with self.lock:
             slots = slots.cpu()
             self.transfers[transfer_id] = Expected(slots, skip, on_done, on_fail, slot_runs(slots),
-                                                   [skip] * self.layers)
+                                                   [skip] * self.layers, landing=landing,
+                                                   landing_bytes=landing_bytes)
 
     def cancel(self, transfer_id: int, on_released: Callable[[], None] | None = None) -> bool:
         """Stop accepting frames for the transfer. Returns True when none is in flight, so its
@@ -221,7 +241,7 @@ class KVReceiver:
                 self._fail(tid, f"KV transfer from {peer} failed: {e}")
 
     def _data(self, reader: _Reader, h: Header, staging: _Staging) -> None:
-        if h.layer >= self.layers or h.kv_heads != self.heads or h.head_dim != self.dim:
+        if h.layer >= self.layers or h.head_dim != self.dim:
             raise FrameError(f"layer {h.layer} / shape [{h.kv_heads},{h.head_dim}] does not fit this cache")
         if CODE_DTYPES[h.dtype] != self.kv_cache.dtype:
             raise FrameError(f"dtype {CODE_DTYPES[h.dtype]} differs from this cache's {self.kv_cache.dtype}")
@@ -232,6 +252,9 @@ class KVReceiver:
                 if h.transfer_id not in self.retired:
                     raise FrameError(f"unknown transfer {h.transfer_id}")
             else:
+                heads = self.heads if exp.landing is None else exp.landing.shape[3]
+                if h.kv_heads != heads:
+                    raise FrameError(f"{h.kv_heads} KV heads in a frame for a transfer of {heads}")
                 if h.token_start != exp.filled[h.layer] or end > len(exp.slots):
                     raise FrameError(f"layer {h.layer} tokens [{h.token_start},{end}) out of order or past the "
                                      f"reservation (expected start {exp.filled[h.layer]}, {len(exp.slots)} tokens)")
@@ -248,7 +271,9 @@ class KVReceiver:
                 for p, s, n in exp.runs if p < end and p + n > h.token_start]
         complete = False
         try:
-            if self._flat is not None:
+            if exp.landing_bytes is not None:
+                complete = reader.payload(_landing_views(exp, h))
+            elif self._flat is not None:
                 complete = reader.payload(self._cache_views(h.layer, runs))
             else:
                 # Allocated only now: the header, the transfer and the range are checked.
@@ -327,6 +352,18 @@ class KVReceiver:
                 self._retire(tid, exp)
         if exp is not None:
             exp.on_fail(why)
+
+
+def _landing_views(exp: Expected, h: Header) -> list[memoryview]:
+    """Where a payload goes in a landing buffer: per layer, positions are contiguous rows."""
+    assert exp.landing is not None and exp.landing_bytes is not None
+    _, layers, tokens, heads, dim = exp.landing.shape
+    row = heads * dim * exp.landing.element_size()
+    views = []
+    for part in (0, 1):
+        off = ((part * layers + h.layer) * tokens + h.token_start) * row
+        views.append(exp.landing_bytes[off : off + h.num_tokens * row])
+    return views
 
 
 class _Staging:

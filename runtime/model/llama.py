@@ -19,6 +19,7 @@ from torch import nn
 from phasesplit.runtime.kernels import build, cpu_gemm, cpu_norm, cpu_rope, hugepages
 from phasesplit.runtime.model.attention import AttentionMetadata, LayerCache, layer_caches, paged_attention
 from phasesplit.runtime.model.config import ModelConfig
+from phasesplit.runtime.model.sharding import Shard, plan
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -135,23 +136,28 @@ class Embedding(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """One layer, or one tensor-parallel rank's share of it (`shard`: its query/KV heads and MLP
+    columns; see sharding.py). Sizes below are the rank's own."""
+
+    def __init__(self, cfg: ModelConfig, shard: Shard) -> None:
         super().__init__()
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, cfg.head_dim
+        q, kv = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.q_size, self.kv_size = q, kv
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = cfg.rms_eps
         self.attn_norm = nn.Parameter(torch.empty(cfg.hidden_size))
-        self.qkv = Linear(cfg.hidden_size, q + 2 * kv)
-        self.o_proj = Linear(q, cfg.hidden_size)
+        self.qkv = Linear(cfg.hidden_size, q + 2 * kv)  # column-parallel: this rank's heads
+        self.o_proj = Linear(q, cfg.hidden_size)  # row-parallel: a partial sum per rank
         self.mlp_norm = nn.Parameter(torch.empty(cfg.hidden_size))
-        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
-        self.down = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.gate_up = Linear(cfg.hidden_size, 2 * shard.intermediate)  # column-parallel
+        self.down = Linear(shard.intermediate, cfg.hidden_size)  # row-parallel
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache,
-                meta: AttentionMetadata, rope_kernel=None) -> torch.Tensor:
+                meta: AttentionMetadata, rope_kernel=None,
+                all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """`rope_kernel` (the CPU kernel library): cos/sin are float32 [tokens, head_dim/2] and one
-        C call rotates Q and K in place and writes K/V to the cache; else torch does both."""
+        C call rotates Q and K in place and writes K/V to the cache; else torch does both.
+        `all_reduce` (tensor parallel): sums the ranks' partial o_proj and down products."""
         h = rms_norm(x, self.attn_norm, self.eps)
         t = x.shape[0]
         qkv = self.qkv(h).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
@@ -166,6 +172,10 @@ class DecoderLayer(nn.Module):
             qk = apply_rope(qkv[:, : nq + nkv], cos, sin)
             q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv :]
             attn = paged_attention(q, k, v, cache, meta)
+        if all_reduce is not None:  # the residual is added once, after the ranks' sum
+            x = x + all_reduce(self.o_proj(attn.reshape(t, self.q_size)))
+            h = rms_norm(x, self.mlp_norm, self.eps)
+            return x + all_reduce(self.down(self.gate_up.swiglu(h)))
         # Each residual add is folded into its projection: one op and one pass fewer.
         x = self.o_proj(attn.reshape(t, self.q_size), residual=x)
         h = rms_norm(x, self.mlp_norm, self.eps)
@@ -198,11 +208,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Shard | None = None) -> None:
+        """`shard`: a tensor-parallel rank's share of the layers (default: the whole model);
+        embedding, norm and head are replicated."""
         super().__init__()
         self.cfg = cfg
+        self.shard = shard or plan(cfg, 1)[0]
+        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # set by the runner under TP
         self.embed = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.shard) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size))
         self.lm_head = None if cfg.tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.tied_head: Linear | None = None  # a re-laid copy of the embedding (pack_for_cpu)
@@ -222,13 +236,15 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-        logits_index: torch.Tensor,
+        logits_index: torch.Tensor | None,
         after_layer: Callable[[int], None] | None = None,
-    ) -> torch.Tensor:
-        """Run one step; returns logits for the tokens picked by `logits_index` only.
+    ) -> torch.Tensor | None:
+        """Run one step; returns logits for the tokens picked by `logits_index` only (None: no
+        logits, a tensor-parallel rank other than 0).
 
-        `kv_cache` is [2, layers, slots, kv_heads, head_dim]; `after_layer(i)` is called once
-        layer i's K/V are in the cache (the prefill worker streams them out from there).
+        `kv_cache` is [2, layers, slots, kv_heads, head_dim] (this rank's KV heads);
+        `after_layer(i)` is called once layer i's K/V are in the cache (the prefill worker
+        streams them out from there).
         """
         x = self.embed(input_ids)
         rope_kernel = self._rope_kernel(x, kv_cache)
@@ -240,9 +256,11 @@ class LlamaModel(nn.Module):
         if self._caches is None or self._caches[0] is not kv_cache:
             self._caches = (kv_cache, layer_caches(kv_cache))
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, self._caches[1][i], meta, rope_kernel)
+            x = layer(x, cos, sin, self._caches[1][i], meta, rope_kernel, self.all_reduce)
             if after_layer is not None:
                 after_layer(i)
+        if logits_index is None:
+            return None
         x = rms_norm(x[logits_index], self.norm, self.cfg.rms_eps)
         head = self.lm_head or self.tied_head
         logits = F.linear(x, self.embed.weight) if head is None else head(x, out_dtype=torch.float32)

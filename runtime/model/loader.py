@@ -30,6 +30,7 @@ from phasesplit.runtime.model.files import (
     open_gguf,
     write_config_and_tokenizer,
 )
+from phasesplit.runtime.model.sharding import shard_state
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,8 @@ def load_weights(model: torch.nn.Module, files: ModelFiles, dtype: torch.dtype, 
 
     The fused, converted tensors are cached next to the model cache on first use: start-up then
     reads one file of exactly what the model needs (about 0.3 s for SmolLM2 in bf16) instead of
-    concatenating and converting every layer again.
+    concatenating and converting every layer again. A tensor-parallel rank (`model.shard`)
+    keeps its slice of each weight (sharding.py).
     """
     from safetensors.torch import load_file, save_file
 
@@ -113,6 +115,9 @@ def load_weights(model: torch.nn.Module, files: ModelFiles, dtype: torch.dtype, 
             tmp.rename(cached)
         except OSError as e:  # a read-only cache only costs start-up time
             log.warning("cannot cache fused weights at %s: %s", cached, e)
+    shard = getattr(model, "shard", None)
+    if shard is not None:
+        state = shard_state(state, model.cfg, shard)
     model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=True, assign=True)
 
 

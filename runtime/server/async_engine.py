@@ -79,6 +79,8 @@ class AsyncEngine:
         self._stop.set()
         self.inbox.put(("stop", None))
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():  # a step still running keeps the ranks; the process exit ends them
+            self.engine.close()
 
     # -- engine thread ---------------------------------------------------------------------------
 

@@ -301,7 +301,7 @@ def test_helm_installs_crd_rbac_and_operator(helm_release: KubeCluster, operator
 # 2. samples
 
 
-@pytest.mark.parametrize("sample", ["smollm2", "gpu"])
+@pytest.mark.parametrize("sample", ["smollm2", "gpu", "gpu-tp"])
 def test_sample_becomes_ready(operator: Operator, kube_cluster: KubeCluster, sample: str):
     namespace = WATCHED["samples"]
     view = View(kube_cluster, namespace)
@@ -320,8 +320,10 @@ def test_sample_becomes_ready(operator: Operator, kube_cluster: KubeCluster, sam
         assert dep.spec.replicas == replicas and dep.status.ready_replicas == replicas
         container = dep.spec.template.spec.containers[0]
         assert container.args[:2] == ["serve", f"--role={component}"]
-        if spec.decode.resources.limits and component in api.PHASES:
-            assert container.resources.limits["nvidia.com/gpu"] == "1"
+        if spec.runtime.device == "cuda" and component in api.PHASES:  # one GPU per tensor-parallel rank
+            tp = spec.phase(component).tensor_parallel_size
+            assert container.resources.limits["nvidia.com/gpu"] == str(tp)
+            assert (f"--tensor-parallel-size={tp}" in container.args) == (tp > 1)
     assert obj["status"]["endpoint"] == f"http://{name}-router.{namespace}.svc"
     conds = {c["type"]: c["status"] for c in obj["status"]["conditions"]}
     assert conds == {"Ready": "True", "PrefillReady": "True", "DecodeReady": "True", "RouterReady": "True"}
@@ -334,7 +336,7 @@ def test_sample_becomes_ready(operator: Operator, kube_cluster: KubeCluster, sam
     table = kube_cluster.kubectl("get", "psvc", "-n", namespace).stdout.splitlines()
     print("\n".join(table))
     assert table[0].split() == ["NAME", "READY", "PREFILL", "DECODE", "ENDPOINT", "AGE"]
-    row = table[1].split()
+    row = next(r.split() for r in table[1:] if r.split()[0] == name)  # the samples share the namespace
     assert row[:5] == [name, "True", f"{want['prefill']}/{want['prefill']}", f"{want['decode']}/{want['decode']}",
                        obj["status"]["endpoint"]]
     assert "Created" in view.events(name)

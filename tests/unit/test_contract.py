@@ -27,6 +27,8 @@ EXTRA_SPECS = {
         "autoscaling": {"mode": "HPA"},
         "kvTransfer": {"port": 9100, "failurePolicy": "Local", "timeout": "1m30s"},
     },
+    "tensor-parallel-cpu": {"model": {"name": "smollm2-135m", "builtin": "smollm2"},
+                            "prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 3}},
 }
 
 
@@ -72,6 +74,7 @@ def test_rendered_commands_parse_with_the_runtime_parser(name):
             phase = spec.phase(component)
             assert args.max_num_seqs == (phase.max_num_seqs or 64)
             assert args.max_num_batched_tokens == (phase.max_num_batched_tokens or 512)
+            assert args.tensor_parallel_size == phase.tensor_parallel_size
         if component == "router":
             assert args.discovery == "kubernetes" and args.namespace == OWNER.namespace
             assert (args.prefill_service, args.decode_service) == ("chat-prefill", "chat-decode")

@@ -317,3 +317,36 @@ def test_an_idle_authenticated_link_times_out_and_the_sender_reconnects():
         assert out.done is not None
     finally:
         r.close()
+
+
+def test_a_landing_buffer_takes_every_head_and_leaves_the_cache_alone(receiver):
+    """A tensor-parallel decode worker: its cache holds some heads (here 3), frames carry all the
+    model's heads (here 5) into the transfer's landing buffer, which the engine then scatters."""
+    heads, slots, skip = 5, [8, 9, 10, 11, 30], 1
+    landing = torch.zeros(2, LAYERS, len(slots), heads, DIM, dtype=torch.bfloat16)
+    out = Outcome()
+    receiver.expect(11, torch.tensor(slots), skip, out.on_done, out.on_fail, landing=landing)
+    g = torch.Generator().manual_seed(5)
+    kvs = [torch.randn(2, len(slots) - skip, heads, DIM, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
+    sender = KVSender(("127.0.0.1", receiver.port), 11, SECRET)
+    for layer, kv in enumerate(kvs):
+        sender.send_layer(layer, skip, kv[:, :2].clone())
+        sender.send_layer(layer, skip + 2, kv[:, 2:].clone())
+    sender.finish(42)
+    assert sender.wait(10) > 0
+    assert out.done is not None and out.done[0] == 42, out.failed
+    for layer, kv in enumerate(kvs):
+        assert torch.equal(landing[:, layer, skip:], kv)
+    assert not landing[:, :, :skip].any()
+    assert not receiver.kv_cache.any()  # nothing went into the cache's rows
+
+
+def test_a_frame_with_the_wrong_head_count_fails_its_transfer(receiver):
+    out = expect(receiver, 12, [1, 2])  # a plain transfer into the cache: 3 heads
+    sender = KVSender(("127.0.0.1", receiver.port), 12, SECRET)
+    sender.send_layer(0, 0, torch.zeros(2, 2, HEADS + 1, DIM, dtype=torch.bfloat16))
+    sender.finish(1)
+    with pytest.raises(TransferFailed):
+        sender.wait(10)
+    assert out.event.wait(10) and out.failed and "KV heads" in out.failed
+    assert not receiver.kv_cache.any()

@@ -61,6 +61,9 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
     ("typo-field", {"prefill": {"replica": 2}}, "spec.prefill.replica"),
     ("drain-timeout-not-a-duration", {"drainTimeout": "forever"}, "spec.drainTimeout"),
     ("drain-timeout-zero", {"drainTimeout": "0s"}, "spec.drainTimeout"),
+    ("tensor-parallel-zero", {"prefill": {"tensorParallelSize": 0}}, "spec.prefill.tensorParallelSize"),
+    ("tensor-parallel-gpus-differ", {"decode": {"tensorParallelSize": 2, "resources": {"limits": {"nvidia.com/gpu": 1}}}},
+     "spec.decode.resources.limits"),
 ]
 
 

@@ -230,3 +230,19 @@ def test_every_pod_gets_the_internal_secret_from_the_services_secret():
     secret = render.internal_secret(OWNER, "v" * 43)
     assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
     assert secret["stringData"] == {render.INTERNAL_SECRET_KEY: "v" * 43}
+
+
+def test_tensor_parallel_pods_get_one_gpu_per_rank_and_the_flag():
+    objs = by_key(spec_of(runtime={"device": "cuda"}, prefill={"tensorParallelSize": 2},
+                          decode={"tensorParallelSize": 4, "resources": {"limits": {"nvidia.com/gpu": 4, "memory": "8Gi"}}}))
+    prefill, decode = pod(objs, "prefill")["containers"][0], pod(objs, "decode")["containers"][0]
+    assert prefill["resources"] == {"limits": {"nvidia.com/gpu": 2}}  # filled in: one per rank
+    assert decode["resources"] == {"limits": {"nvidia.com/gpu": 4, "memory": "8Gi"}}  # as written
+    assert "--tensor-parallel-size=2" in prefill["args"] and "--tensor-parallel-size=4" in decode["args"]
+    router = pod(objs, "router")["containers"][0]
+    assert not any(a.startswith("--tensor-parallel-size") for a in router["args"]) and "limits" not in router["resources"]
+    # On CPU the ranks share the pod's CPUs: no GPUs are asked for; TP=1 renders no flag at all.
+    objs = by_key(spec_of(runtime={"device": "cpu"}, prefill={"tensorParallelSize": 2}))
+    assert "limits" not in pod(objs, "prefill")["containers"][0]["resources"]
+    assert "--tensor-parallel-size=2" in pod(objs, "prefill")["containers"][0]["args"]
+    assert not any(a.startswith("--tensor-parallel-size") for a in pod(objs, "decode")["containers"][0]["args"])
