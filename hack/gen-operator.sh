@@ -7,7 +7,14 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cache=${PHASESPLIT_CACHE:-$HOME/.cache/phasesplit}
 cd "$root"
-"$cache/venv/bin/python" -m phasesplit.operator.crdgen --write
+# Import this checkout's operator even where the cached venv's editable install points at another
+# checkout (a worktree, a CI clone): a package dir on PYTHONPATH wins over the editable finder.
+pkg=$(mktemp -d)
+trap 'rm -rf "$pkg"' EXIT
+mkdir "$pkg/phasesplit"
+ln -s "$root/runtime" "$pkg/phasesplit/runtime"
+ln -s "$root/operator" "$pkg/phasesplit/operator"
+PYTHONPATH=$pkg${PYTHONPATH:+:$PYTHONPATH} "$cache/venv/bin/python" -m phasesplit.operator.crdgen --write
 helm=${HELM:-$(command -v helm || ls -1 "$cache"/kube/*/bin/helm 2>/dev/null | tail -n 1 || true)}
 [[ -x $helm ]] || { echo "helm not found (set HELM=...)" >&2; exit 1; }
 {
