@@ -84,7 +84,10 @@ class ServiceRecord:
     planning: bool = False
     known: set[ChildKey] = field(default_factory=set)
     configured: api.InferenceServiceSpec | None = None  # the spec autoscaler and telemetry were set up for
-    rendered: tuple[Any, list[dict[str, Any]]] | None = None  # ((generation, replicas), stamped children)
+    # ((generation, replicas), child -> intent hash) of the last render; the objects themselves
+    # are rendered again only when a child needs comparing (a thousand services' worth of
+    # rendered Deployments would be tens of MB).
+    rendered: tuple[Any, dict[ChildKey, str]] | None = None
     # child -> (content_rv, intent) at which a pass found it holding what we want: later passes
     # (a Deployment's status moved, a resync) need not decompress and compare it again.
     settled: dict[ChildKey, tuple[int, str]] = field(default_factory=dict)
@@ -387,18 +390,24 @@ class Controller:
             rec.configured = spec
         replicas = render.desired_replicas(spec, rec.decision, generation)
         memo = (generation, tuple(sorted(replicas.items())))
+        desired = None
         if rec.rendered is None or rec.rendered[0] != memo:
-            rec.rendered = (memo, [stamped(o) for o in render.render(owner, spec, replicas)])
-        desired = rec.rendered[1]
+            desired = [stamped(o) for o in render.render(owner, spec, replicas)]
+            rec.rendered = (memo, {render.key(o): o["metadata"]["annotations"][INTENT_ANNOTATION] for o in desired})
+        intents = rec.rendered[1]
         # Children found in place at this content and intent before are left out of the comparison.
-        intents = {render.key(o): o["metadata"]["annotations"][INTENT_ANNOTATION] for o in desired}
         cached = self._cached(key, rec.uid)
         settled = {k for k, c in cached.items() if rec.settled.get(k) == (c.content_rv, intents.get(k))}
         observed = {k: c.body() for k, c in cached.items() if k not in settled}
         error = None
         try:
-            applied, deleted = reconcile_children(self.kube, owner, [o for o in desired if render.key(o) not in settled],
-                                                  observed, emit, rec.known)
+            if intents.keys() - settled or observed:  # something to compare: missing, changed or unwanted
+                if desired is None:
+                    desired = [stamped(o) for o in render.render(owner, spec, replicas)]
+                applied, deleted = reconcile_children(
+                    self.kube, owner, [o for o in desired if render.key(o) not in settled], observed, emit, rec.known)
+            else:
+                applied, deleted = {}, []
             self._remember(key, applied, deleted)
             rec.known |= intents.keys()
             for k in observed.keys() & intents.keys() - applied.keys():
