@@ -409,15 +409,15 @@ class Controller:
             else:
                 applied, deleted = {}, []
             self._remember(key, applied, deleted)
+            if applied or deleted:
+                log.info("%s/%s: applied %d, deleted %d children (generation %s)", *key, len(applied),
+                         len(deleted), generation)
             rec.known |= intents.keys()
             for k in observed.keys() & intents.keys() - applied.keys():
                 if cached[k].content_rv is not None:
                     rec.settled[k] = (cached[k].content_rv, intents[k])
             for k in deleted:
                 rec.settled.pop(k, None)
-            if applied or deleted:
-                log.info("%s/%s: applied %d, deleted %d children (generation %s)", *key, len(applied),
-                         len(deleted), generation)
         except ApiException as e:
             if namespace_terminating(e):
                 log.debug("%s/%s: its namespace is being deleted", *key)
