@@ -123,13 +123,15 @@ def _newer(new: Mapping[str, Any], old: Cached | Mapping[str, Any] | None) -> bo
     return a is None or b is None or a >= b
 
 
-def _shape(meta: Mapping[str, Any]) -> tuple[Any, ...] | None:
-    """What an update that touches only an object's status leaves alone (None for kinds without
-    metadata.generation, whose every update may be a change of content)."""
+def _shape(meta: Mapping[str, Any]) -> tuple[int, int] | None:
+    """What an update that touches only an object's status leaves alone, as (generation, a hash
+    of the metadata a status writer does not touch): None for kinds without metadata.generation,
+    whose every update may be a change of content. A hash, not the dicts themselves: fourteen
+    children's labels and annotations a service would be kept twice otherwise."""
     if meta.get("generation") is None:
         return None
-    return (meta.get("generation"), meta.get("labels"), meta.get("annotations"), meta.get("ownerReferences"),
-            meta.get("finalizers"), meta.get("deletionTimestamp"))
+    rest = [meta.get(k) for k in ("labels", "annotations", "ownerReferences", "finalizers", "deletionTimestamp")]
+    return meta["generation"], hash(json.dumps(rest, sort_keys=True, separators=(",", ":")))
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,7 @@ class Cached:
     content_rv: int | None
     controllers: frozenset[str]  # uids of its controller owner references
     summary: dict[str, int] | None  # a Deployment's numbers for status and the planner
-    shape: tuple[Any, ...] | None
+    shape: tuple[int, int] | None
     blob: bytes
 
     @classmethod
