@@ -24,7 +24,7 @@ import threading
 import time
 import zlib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -35,7 +35,7 @@ from phasesplit.operator import api, render, status
 from phasesplit.operator.kube import PARENT, Kube, api_message, namespace_terminating
 from phasesplit.operator.leader import LeaderElector
 from phasesplit.operator.metrics.autoscale import ServiceAutoscaler, endpoint_targets, status_patch
-from phasesplit.operator.reconcile import reconcile_children, write_status
+from phasesplit.operator.reconcile import INTENT_ANNOTATION, reconcile_children, stamped, write_status
 from phasesplit.operator.render import Owner, PlannedReplicas
 from phasesplit.operator.telemetry import OperatorTelemetry
 from phasesplit.operator.workqueue import WorkQueue
@@ -47,6 +47,9 @@ ServiceKey = tuple[str, str]  # (namespace, name)
 ChildKey = tuple[str, str]  # (kind, name)
 # The finalizer earlier versions (a kopf timer) put on every InferenceService; removed on sight.
 LEGACY_FINALIZER = f"{api.GROUP}/finalizer"
+# Items per LIST page in a resync (the API server's own pages: a thousand services' children are
+# never all in memory as full objects at once).
+LIST_PAGE = 500
 ENDPOINT_SLICES = render.ChildKind("discovery.k8s.io/v1", "endpointslices", "EndpointSlice")
 
 
@@ -80,6 +83,14 @@ class ServiceRecord:
     autoscaler: ServiceAutoscaler | None = None
     planning: bool = False
     known: set[ChildKey] = field(default_factory=set)
+    configured: api.InferenceServiceSpec | None = None  # the spec autoscaler and telemetry were set up for
+    # ((generation, replicas), child -> intent hash) of the last render; the objects themselves
+    # are rendered again only when a child needs comparing (a thousand services' worth of
+    # rendered Deployments would be tens of MB).
+    rendered: tuple[Any, dict[ChildKey, str]] | None = None
+    # child -> (content_rv, intent) at which a pass found it holding what we want: later passes
+    # (a Deployment's status moved, a resync) need not decompress and compare it again.
+    settled: dict[ChildKey, tuple[int, str]] = field(default_factory=dict)
 
     @property
     def owner_uid(self) -> str:
@@ -112,14 +123,29 @@ def _newer(new: Mapping[str, Any], old: Cached | Mapping[str, Any] | None) -> bo
     return a is None or b is None or a >= b
 
 
+def _shape(meta: Mapping[str, Any]) -> tuple[int, int] | None:
+    """What an update that touches only an object's status leaves alone, as (generation, a hash
+    of the metadata a status writer does not touch): None for kinds without metadata.generation,
+    whose every update may be a change of content. A hash, not the dicts themselves: fourteen
+    children's labels and annotations a service would be kept twice otherwise."""
+    if meta.get("generation") is None:
+        return None
+    rest = [meta.get(k) for k in ("labels", "annotations", "ownerReferences", "finalizers", "deletionTimestamp")]
+    return meta["generation"], hash(json.dumps(rest, sort_keys=True, separators=(",", ":")))
+
+
 @dataclass(frozen=True)
 class Cached:
-    """A child as the cache keeps it: compressed JSON without managedFields (a thousand services'
-    children take tens of MB, not hundreds), and apart what the loops read often."""
+    """A child as the cache keeps it: compressed JSON without managedFields and status (a
+    thousand services' children take a few MB, not hundreds), and apart what the loops read
+    often. content_rv: the resourceVersion its content (all but status) was taken at, kept
+    across status-only updates, so a pass knows what it already compared."""
 
     rv: int | None
+    content_rv: int | None
     controllers: frozenset[str]  # uids of its controller owner references
     summary: dict[str, int] | None  # a Deployment's numbers for status and the planner
+    shape: tuple[int, int] | None
     blob: bytes
 
     @classmethod
@@ -127,9 +153,21 @@ class Cached:
         meta = dict(obj.get("metadata") or {})
         meta.pop("managedFields", None)
         refs = meta.get("ownerReferences") or []
-        return cls(_rv(obj), frozenset(r.get("uid") for r in refs if r.get("controller")),
-                   status.deployment_summary(obj) if obj.get("kind") == "Deployment" else None,
-                   zlib.compress(json.dumps({**obj, "metadata": meta}, separators=(",", ":")).encode(), 1))
+        rv = _rv(obj)
+        content = {k: v for k, v in obj.items() if k != "status"}
+        content["metadata"] = meta
+        return cls(rv, rv, frozenset(r.get("uid") for r in refs if r.get("controller")),
+                   status.deployment_summary(obj) if obj.get("kind") == "Deployment" else None, _shape(meta),
+                   zlib.compress(json.dumps(content, separators=(",", ":")).encode(), 1))
+
+    def updated(self, obj: Mapping[str, Any]) -> Cached | None:
+        """This entry moved to obj's resourceVersion, if obj changed only its status (else None:
+        build a new one)."""
+        shape = _shape(obj.get("metadata") or {})
+        if shape is None or shape != self.shape:
+            return None
+        summary = status.deployment_summary(obj) if self.summary is not None else None
+        return replace(self, rv=_rv(obj), summary=summary)
 
     def body(self) -> dict[str, Any]:
         return json.loads(zlib.decompress(self.blob))
@@ -247,7 +285,12 @@ class Controller:
                     return  # the echo of our own apply: already in the cache
                 if not _newer(body, old):
                     return
-                cache[child] = Cached.of(body)
+                moved = old.updated(body) if old is not None else None
+                cache[child] = moved or Cached.of(body)
+                if moved is not None and moved.summary == old.summary:
+                    # Only a status no pass reads changed (a PodDisruptionBudget's counts, an
+                    # HPA's conditions, a Deployment's conditions): nothing to do.
+                    return
             known = key in self.records
         if known:
             self.queue.add(key)
@@ -293,9 +336,6 @@ class Controller:
         with self._lock:
             return {k: v for k, v in self.children.get(key, {}).items() if uid in v.controllers}
 
-    def _observed(self, key: ServiceKey, uid: str) -> dict[ChildKey, dict[str, Any]]:
-        return {k: v.body() for k, v in self._cached(key, uid).items()}
-
     def _deployments(self, key: ServiceKey, owner: Owner) -> dict[str, dict[str, int]]:
         cached = self._cached(key, owner.uid)
         out = {}
@@ -340,25 +380,46 @@ class Controller:
                 emit("Warning", "InvalidSpec", (rec.spec_error or "")[:1000])
                 log.error("%s/%s: invalid spec: %s", *key, rec.spec_error)
             return
-        self.telemetry.observe_service(*key, spec)
-        if spec.autoscaling.mode == "Planner":
-            if rec.autoscaler is None:
-                rec.autoscaler = ServiceAutoscaler(spec)
+        if rec.configured is not spec:  # a new generation
+            self.telemetry.observe_service(*key, spec)
+            if spec.autoscaling.mode == "Planner":
+                if rec.autoscaler is None:
+                    rec.autoscaler = ServiceAutoscaler(spec)
+                else:
+                    rec.autoscaler.configure(spec)
             else:
-                rec.autoscaler.configure(spec)
-        else:
-            rec.autoscaler = None
+                rec.autoscaler = None
+            rec.configured = spec
         replicas = render.desired_replicas(spec, rec.decision, generation)
-        desired = render.render(owner, spec, replicas)
+        memo = (generation, tuple(sorted(replicas.items())))
+        desired = None
+        if rec.rendered is None or rec.rendered[0] != memo:
+            desired = [stamped(o) for o in render.render(owner, spec, replicas)]
+            rec.rendered = (memo, {render.key(o): o["metadata"]["annotations"][INTENT_ANNOTATION] for o in desired})
+        intents = rec.rendered[1]
+        # Children found in place at this content and intent before are left out of the comparison.
+        cached = self._cached(key, rec.uid)
+        settled = {k for k, c in cached.items() if rec.settled.get(k) == (c.content_rv, intents.get(k))}
+        observed = {k: c.body() for k, c in cached.items() if k not in settled}
         error = None
         try:
-            applied, deleted = reconcile_children(self.kube, owner, desired, self._observed(key, rec.uid), emit,
-                                                  rec.known)
+            if intents.keys() - settled or observed:  # something to compare: missing, changed or unwanted
+                if desired is None:
+                    desired = [stamped(o) for o in render.render(owner, spec, replicas)]
+                applied, deleted = reconcile_children(
+                    self.kube, owner, [o for o in desired if render.key(o) not in settled], observed, emit, rec.known)
+            else:
+                applied, deleted = {}, []
             self._remember(key, applied, deleted)
-            rec.known |= {render.key(o) for o in desired}
             if applied or deleted:
                 log.info("%s/%s: applied %d, deleted %d children (generation %s)", *key, len(applied),
                          len(deleted), generation)
+            rec.known |= intents.keys()
+            for k in observed.keys() & intents.keys() - applied.keys():
+                if cached[k].content_rv is not None:
+                    rec.settled[k] = (cached[k].content_rv, intents[k])
+            for k in deleted:
+                rec.settled.pop(k, None)
         except ApiException as e:
             if namespace_terminating(e):
                 log.debug("%s/%s: its namespace is being deleted", *key)
@@ -397,24 +458,29 @@ class Controller:
     def resync(self) -> None:
         """Re-list parents and children (what a dropped watch may have missed) and enqueue all."""
         ns = self.settings.namespaces or [None]
-        parent_lists = [self.kube.list(PARENT, n) for n in ns]
-        parents = [p for listed in parent_lists for p in listed.get("items") or []]
-        parents_at = min(_rv(listed) or 0 for listed in parent_lists)
+        parents: list[dict[str, Any]] = []
+        parent_rvs = []
+        for n in ns:
+            for page in self._pages(PARENT, n):
+                parents += page.get("items") or []
+                parent_rvs.append(_rv(page) or 0)
+        parents_at = min(parent_rvs)
         children: dict[ServiceKey, dict[ChildKey, Cached]] = {}
         listed_at: dict[str, int] = {}  # kind -> the oldest list's resourceVersion
         selector = f"{render.MANAGED_BY_LABEL}={render.MANAGED_BY}"
         for kind in render.CHILD_KINDS:
             for n in ns:
-                listed = self.kube.list(kind, n, selector)
-                rv = _rv(listed)
-                listed_at[kind.kind] = min(listed_at.get(kind.kind, rv or 0), rv or 0)
-                for item in listed.get("items") or []:
-                    item.setdefault("apiVersion", kind.api_version)  # a LIST's items carry neither
-                    item.setdefault("kind", kind.kind)
-                    instance = (item["metadata"].get("labels") or {}).get(render.INSTANCE_LABEL)
-                    if instance:
-                        children.setdefault((item["metadata"]["namespace"], instance), {})[
-                            (kind.kind, item["metadata"]["name"])] = Cached.of(item)
+                # Page by page: only one page of full objects is in memory at a time.
+                for page in self._pages(kind, n, selector):
+                    rv = _rv(page)
+                    listed_at[kind.kind] = min(listed_at.get(kind.kind, rv or 0), rv or 0)
+                    for item in page.get("items") or []:
+                        item.setdefault("apiVersion", kind.api_version)  # a LIST's items carry neither
+                        item.setdefault("kind", kind.kind)
+                        instance = (item["metadata"].get("labels") or {}).get(render.INSTANCE_LABEL)
+                        if instance:
+                            key, child = (item["metadata"]["namespace"], instance), (kind.kind, item["metadata"]["name"])
+                            children.setdefault(key, {})[child] = self._relisted(key, child, item)
         with self._lock:
             for key, listed_children in children.items():
                 cache = self.children.setdefault(key, {})
@@ -437,6 +503,25 @@ class Controller:
         for p in parents:
             self.observe_parent(None, p)
         self.enqueue_all()
+
+    def _pages(self, kind: render.ChildKind, namespace: str | None,
+               selector: str | None = None) -> Iterable[dict[str, Any]]:
+        """A LIST in pages of LIST_PAGE items (one consistent snapshot: the continue token)."""
+        token = None
+        while True:
+            page = self.kube.list(kind, namespace, selector, limit=LIST_PAGE, continue_=token)
+            yield page
+            token = (page.get("metadata") or {}).get("continue")
+            if not token:
+                return
+
+    def _relisted(self, key: ServiceKey, child: ChildKey, item: Mapping[str, Any]) -> Cached:
+        """The cache entry for a listed child: the one held already when it is that version."""
+        with self._lock:
+            old = self.children.get(key, {}).get(child)
+        if old is not None and old.rv is not None and old.rv == _rv(item):
+            return old
+        return (old.updated(item) if old is not None and _newer(item, old) else None) or Cached.of(item)
 
     # ------------------------------------------------------------------ planner loop
 

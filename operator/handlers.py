@@ -2,7 +2,8 @@
 
 kopf watches (with reconnects, login and the liveness endpoint); every handler here hands the
 event to the Controller kept in kopf's memo, which updates its caches and enqueues the parent
-InferenceService. Only `on.event` handlers are used: they need no finalizer and write nothing
+InferenceService. The handlers are coroutines that never wait (a short lock at most): a sync
+handler would cost a hop through kopf's thread pool for each of the many watch events. Only `on.event` handlers are used: they need no finalizer and write nothing
 to the watched objects, so deleting an InferenceService (or its namespace) never waits for the
 operator.
 """
@@ -24,6 +25,20 @@ def _resource(kind: render.ChildKind) -> tuple[str, ...]:
     return (kind.group, kind.version, kind.plural) if kind.group else (kind.version, kind.plural)
 
 
+class NoDiffBase(kopf.DiffBaseStorage):
+    """kopf builds a diff base (a deep copy of the object's essence) on every event, for change
+    handlers; this operator has none, so there is nothing to build, keep or compare."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
+        return kopf.BodyEssence()
+
+    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
+        return None
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        pass
+
+
 def settings(namespaced: bool) -> kopf.OperatorSettings:
     """kopf settings for this operator (passed to kopf.operator by the CLI)."""
     out = kopf.OperatorSettings()
@@ -34,6 +49,7 @@ def settings(namespaced: bool) -> kopf.OperatorSettings:
     out.watching.connect_timeout = 10
     out.networking.request_timeout = 30
     out.networking.connect_timeout = 10
+    out.persistence.diffbase_storage = NoDiffBase()
     # Watching given namespaces needs no cluster-wide namespace/CRD scans (nor their permissions).
     out.scanning.disabled = namespaced
     # Children and their EndpointSlices filtered by the API server: the operator never receives
@@ -61,10 +77,10 @@ def registry() -> kopf.OperatorRegistry:
         memo.controller.stop()
 
     @kopf.on.event(api.GROUP, api.VERSION, api.PLURAL, registry=reg)
-    def parent(event: dict[str, Any], memo: kopf.Memo, **_: Any) -> None:
+    async def parent(event: dict[str, Any], memo: kopf.Memo, **_: Any) -> None:
         memo.controller.observe_parent(event.get("type"), event["object"])
 
-    def child(event: dict[str, Any], memo: kopf.Memo, **_: Any) -> None:
+    async def child(event: dict[str, Any], memo: kopf.Memo, **_: Any) -> None:
         memo.controller.observe_child(event.get("type"), event["object"])
 
     for kind in render.CHILD_KINDS:
@@ -72,7 +88,7 @@ def registry() -> kopf.OperatorRegistry:
 
     # EndpointSlices carry their Service's labels: the planner's scrape targets.
     @kopf.on.event(*_resource(ENDPOINT_SLICES), labels=CHILD_FILTER, registry=reg)
-    def endpoint_slice(event: dict[str, Any], memo: kopf.Memo, **_: Any) -> None:
+    async def endpoint_slice(event: dict[str, Any], memo: kopf.Memo, **_: Any) -> None:
         memo.controller.observe_slice(event.get("type"), event["object"])
 
     return reg

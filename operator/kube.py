@@ -130,9 +130,15 @@ class Kube:
                 raise
         return retrying(create)
 
-    def list(self, kind: ChildKind, namespace: str | None, selector: str | None = None) -> dict[str, Any]:
-        """One LIST (namespace None: the whole cluster); returns the list object (items, metadata)."""
-        query = [("labelSelector", selector)] if selector else []
+    def list(self, kind: ChildKind, namespace: str | None, selector: str | None = None, limit: int | None = None,
+             continue_: str | None = None) -> dict[str, Any]:
+        """One LIST (namespace None: the whole cluster), or one page of it (limit; continue_: the
+        previous page's metadata.continue); returns the list object (items, metadata)."""
+        query: list[tuple[str, Any]] = [("labelSelector", selector)] if selector else []
+        if limit:
+            query.append(("limit", limit))
+        if continue_:
+            query.append(("continue", continue_))
         return retrying(lambda: self._call("GET", _path(kind, namespace), query=query))
 
     # the InferenceService

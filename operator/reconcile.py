@@ -46,7 +46,10 @@ def intent(obj: Mapping[str, Any]) -> str:
 
 
 def stamped(obj: Mapping[str, Any]) -> dict[str, Any]:
-    """The rendered object with the hash of itself in an annotation."""
+    """The rendered object with the hash of itself in an annotation (one stamped already, as the
+    controller keeps them between passes, as it is)."""
+    if INTENT_ANNOTATION in (obj["metadata"].get("annotations") or {}):
+        return dict(obj)
     meta = dict(obj["metadata"])
     meta["annotations"] = {**meta.get("annotations", {}), INTENT_ANNOTATION: intent(obj)}
     return {**obj, "metadata": meta}

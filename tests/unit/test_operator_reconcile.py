@@ -84,8 +84,8 @@ class MemoryKube:
     def post_event(self, owner, kind, reason, message):
         self.events.append((kind, reason, message))
 
-    def list(self, kind, namespace, selector=None):
-        """What a resync lists (a pass must read the cache, never list)."""
+    def list(self, kind, namespace, selector=None, limit=None, continue_=None):
+        """What a resync lists (a pass must read the cache, never list); one page holds all."""
         self.calls["list"] += 1
         items = [self.view(key) for key in self.objects if key[0] == kind.kind]
         if kind.kind == "InferenceService":
@@ -441,3 +441,64 @@ def test_a_terminating_namespace_is_not_fought():
                                                              "labels": {render.INSTANCE_LABEL: "chat"}}})
     c._reconcile(("serving", "chat"))  # returns: no exception, so no retry
     assert k.calls["patch_status"] == writes
+
+
+class GenerationKube(MemoryKube):
+    """Shows metadata.generation as the API server does on the kinds that have one (a spec edit
+    moves it: edits here set "generation" in the stored object)."""
+
+    GENERATIONS = {"Deployment", "PodDisruptionBudget", "NetworkPolicy", "HorizontalPodAutoscaler"}
+
+    def view(self, key):
+        out = super().view(key)
+        generation = out.pop("generation", 1)
+        if key[0] in self.GENERATIONS:
+            out["metadata"]["generation"] = generation
+        return out
+
+
+def converged(k: MemoryKube) -> Controller:
+    """A controller whose one service is applied and whose watch has echoed every child."""
+    c = controller(k)
+    c.observe_parent(None, parent())
+    c._reconcile(c.queue.get(timeout=0))  # applies, and compares each child once
+    c.queue.done(("serving", "chat"))
+    feed_children(c, k)
+    assert c.queue.get(timeout=0) is None  # the echoes changed nothing
+    return c
+
+
+def test_a_status_only_update_queues_a_pass_only_when_status_reads_it():
+    k = GenerationKube()
+    c = converged(k)
+    k.calls.clear()
+    # A PodDisruptionBudget's counts move: no pass reads them.
+    k.edit(("PodDisruptionBudget", "chat-decode"), lambda o: o.update(status={"currentHealthy": 1}))
+    c.observe_child("MODIFIED", k.view(("PodDisruptionBudget", "chat-decode")))
+    assert c.queue.get(timeout=0) is None
+    # A Deployment's ready replicas move: the service's status reads them.
+    k.edit(("Deployment", "chat-decode"),
+           lambda o: o.update(status={"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2, "observedGeneration": 1}))
+    c.observe_child("MODIFIED", k.view(("Deployment", "chat-decode")))
+    assert c.queue.get(timeout=0) == ("serving", "chat")
+    c._reconcile(("serving", "chat"))
+    assert k.calls["apply"] == 0
+    assert k.statuses[-1]["decode"]["readyReplicas"] == 2
+
+
+def test_a_child_found_in_place_is_still_reverted_after_an_edit():
+    """A pass leaves out children it found in place at that content before; an edit is new
+    content (a spec edit moves the generation, a label edit the metadata), so it is compared."""
+    k = GenerationKube()
+    c = converged(k)
+    c._reconcile(("serving", "chat"))  # a resync's pass: nothing new
+    assert len(c.records[("serving", "chat")].settled) == 14
+    k.edit(("Deployment", "chat-decode"), lambda o: (o["spec"].update(replicas=7), o.update(generation=2)))
+    c.observe_child("MODIFIED", k.view(("Deployment", "chat-decode")))
+    k.edit(("Role", "chat-router"), lambda o: o["metadata"]["labels"].update({"app.kubernetes.io/component": "x"}))
+    c.observe_child("MODIFIED", k.view(("Role", "chat-router")))  # no generation: every update may be an edit
+    k.calls.clear()
+    c._reconcile(("serving", "chat"))
+    assert k.calls["apply"] == 2
+    assert k.objects[("Deployment", "chat-decode")]["spec"]["replicas"] == 2
+    assert k.objects[("Role", "chat-router")]["metadata"]["labels"]["app.kubernetes.io/component"] == "router"
