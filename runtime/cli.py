@@ -135,9 +135,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "cache's tokens)")
     g.add_argument("--max-body-bytes", type=parse_bytes, default=4 * 1024 * 1024,
                    help="largest request body; bigger ones get 413")
-    g.add_argument("--worker-read-timeout", type=parse_seconds, default=120.0,
-                   help="router: seconds a decode worker may stay silent mid-request before the request "
-                        "fails and the worker is marked down")
+    g.add_argument("--worker-read-timeout", type=parse_seconds, default=30.0,
+                   help="router: seconds a decode worker may stay silent mid-request (it sends a keepalive "
+                        "line every 2 s while a request waits) before the request fails and the worker is "
+                        "marked down")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -184,9 +184,9 @@ class RemoteBackend:
             raise Overloaded("the router has no free connection to a decode worker; retry later") from None
         except httpx.HTTPError as e:
             # Dead, or hung past the read timeout: routed around until the next successful poll.
-            log.warning("decode worker %s failed: %s", worker.url, e or type(e).__name__)
+            log.warning("decode worker %s failed: %s", worker.url, str(e) or type(e).__name__)
             worker.up = False
-            raise RuntimeError(f"decode worker {worker.url} failed: {e or type(e).__name__}") from None
+            raise RuntimeError(f"decode worker {worker.url} failed: {str(e) or type(e).__name__}") from None
 
 
 class _Draining(Exception):

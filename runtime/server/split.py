@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import weakref
@@ -38,6 +39,8 @@ from phasesplit.runtime.server.protocol import error_body
 from phasesplit.runtime.server.worker import add_debug_routes, build_engine, worker_admission
 
 log = logging.getLogger(__name__)
+
+KEEPALIVE_S = 2.0  # seconds between empty NDJSON lines while a request waits for its next output
 
 
 def output_line(out: RequestOutput) -> bytes:
@@ -141,12 +144,26 @@ def build_decode_app(args: argparse.Namespace) -> FastAPI:
 
         async def lines() -> AsyncIterator[bytes]:
             outputs = aengine.generate(call.request_id, call.prompt_ids, call.params, remote=bool(urls))
+            pending: asyncio.Future | None = None
             try:
-                async for out in outputs:
+                while True:
+                    pending = asyncio.ensure_future(anext(outputs))
+                    while not (await asyncio.wait({pending}, timeout=KEEPALIVE_S))[0]:
+                        # Queued is not hung: an empty line keeps the router's per-chunk read
+                        # timeout for workers that stop answering altogether.
+                        yield b"\n"
+                    try:
+                        out = pending.result()
+                    except StopAsyncIteration:
+                        break
                     yield output_line(out)
             except Exception as e:  # noqa: BLE001 - the router turns this into an error event
                 yield (json.dumps({"error": str(e)}) + "\n").encode()
             finally:
+                if pending is not None and not pending.done():
+                    pending.cancel()  # the client left: the generator's abort runs
+                    with contextlib.suppress(BaseException):
+                        await pending
                 # The abort reaches the engine, which stops the transfer (connector.release) and
                 # frees the blocks, or leaves them to the connector while a frame lands in them.
                 connector.forget(call.request_id)
