@@ -100,11 +100,22 @@ def _body_strategy(openapi: dict, schema_name: str, model: str) -> st.SearchStra
                 "stream": st.booleans(), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
                 "ignore_eos": st.booleans(), "min_tokens": st.integers(0, 1), "user": st.text(max_size=8),
                 "stop_token_ids": st.lists(st.integers(0, 49151), max_size=3), "presence_penalty": st.just(0)}
+    # Structured outputs, logprobs and choices: valid values, so the engine paths behind them run.
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}
+    sampling |= {"n": st.integers(1, 3), "seed": st.integers(0, 2**32),
+                 "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"},
+                                                     {"type": "json_schema", "json_schema": {"name": "s",
+                                                                                             "schema": schema}}]),
+                 "guided_regex": st.sampled_from(["[0-9]+", "(yes|no)", "a{1,3}b?", "\\w+@\\w+"]),
+                 "guided_choice": st.lists(st.text(min_size=1, max_size=6), min_size=1, max_size=3),
+                 "guided_json": st.just(schema)}
     if schema_name == "ChatCompletionRequest":
         roles = st.sampled_from(["system", "user", "assistant", "developer"])
         core = {"messages": st.lists(st.fixed_dictionaries({"role": roles, "content": text}), min_size=1, max_size=4)}
+        sampling |= {"logprobs": st.booleans(), "top_logprobs": st.integers(0, 20)}
     else:
         core = {"prompt": st.one_of(text, st.lists(st.integers(0, 49151), min_size=1, max_size=20))}
+        sampling |= {"logprobs": st.integers(0, 5), "echo": st.booleans(), "best_of": st.integers(1, 3)}
 
     @st.composite
     def near_valid(draw: st.DrawFn) -> dict:
@@ -125,7 +136,9 @@ def _body_strategy(openapi: dict, schema_name: str, model: str) -> st.SearchStra
         if draw(st.integers(0, 2)) == 0:
             key = draw(st.sampled_from(sorted(b) + ["temperature", "top_p", "top_k", "stop", "stop_token_ids",
                                                    "min_tokens", "seed", "n", "presence_penalty", "messages",
-                                                   "prompt", "stream", "logprobs", "echo", "best_of", "wizard"]))
+                                                   "prompt", "stream", "logprobs", "echo", "best_of", "wizard",
+                                                   "top_logprobs", "response_format", "guided_json",
+                                                   "guided_regex", "guided_choice", "guided_grammar"]))
             b[key] = draw(st.sampled_from(HOSTILE_VALUES))  # a hostile max_tokens is refused before any work
         return b
 
@@ -216,9 +229,36 @@ def hostile_cases(model: str) -> list[Case]:
         Case("prompt token negative", c, {**p, "prompt": [-1]}, 400, "prompt"),
         Case("empty prompt", c, {**p, "prompt": ""}, 400, "prompt"),
         Case("two prompts", c, {**p, "prompt": ["a", "b"]}, 400, "prompt"),
-        Case("logprobs (not implemented)", c, {**p, "logprobs": 2}, 400, "logprobs"),
-        Case("echo (not implemented)", c, {**p, "echo": True}, 400, "echo"),
-        Case("n=2", c, {**p, "n": 2}, 400, "n"),
+        Case("logprobs 6 (completions: 0-5)", c, {**p, "logprobs": 6}, 400, "logprobs"),
+        Case("logprobs -1", c, {**p, "logprobs": -1, "echo": True}, 400, "logprobs"),
+        Case("top_logprobs 21 (0-20)", ch, {**m, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+        Case("top_logprobs without logprobs", ch, {**m, "top_logprobs": 2}, 400, "top_logprobs"),
+        Case("logprobs a number on chat (a boolean there)", ch, {**m, "logprobs": 7}, 400, "logprobs"),
+        Case("n 0", c, {**p, "n": 0}, 400, "n"),
+        Case("n 17", ch, {**m, "n": 17}, 400, "n"),
+        Case("n 2**40", c, {**p, "n": 2**40}, 400, "n"),
+        Case("best_of below n", c, {**p, "n": 3, "best_of": 2}, 400, "best_of"),
+        Case("best_of 100", c, {**p, "best_of": 100}, 400, "best_of"),
+        Case("best_of > n streamed", c, {**p, "best_of": 2, "stream": True}, 400, "best_of"),
+        Case("best_of on chat (not implemented)", ch, {**m, "best_of": 2}, 400, "best_of"),
+        Case("echo on chat (not implemented)", ch, {**m, "echo": True}, 400, "echo"),
+        Case("response_format type xml", ch, {**m, "response_format": {"type": "xml"}}, 400,
+             "response_format.type"),
+        Case("response_format json_schema without a schema", ch,
+             {**m, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
+             "response_format.json_schema"),
+        Case("response_format json_schema not an object", ch,
+             {**m, "response_format": {"type": "json_schema", "json_schema": "x"}}, 400,
+             "response_format.json_schema"),
+        Case("bad json_schema (unknown type)", ch, {**m, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "wizard"}}}}, 400, "response_format.json_schema.schema"),
+        Case("bad guided_json (not JSON)", c, {**p, "guided_json": "{not json"}, 400, "guided_json"),
+        Case("guided_json a list", c, {**p, "guided_json": "[1, 2]"}, 400, "guided_json"),
+        Case("bad guided_regex (unbalanced)", c, {**p, "guided_regex": "(a|b"}, 400, "guided_regex"),
+        Case("bad guided_regex (nothing to repeat)", ch, {**m, "guided_regex": "*x"}, 400, "guided_regex"),
+        Case("guided_choice empty", c, {**p, "guided_choice": []}, 400, "guided_choice"),
+        Case("bad guided_grammar", c, {**p, "guided_grammar": "start: ((("}, 400, "guided_grammar"),
+        Case("two constraints", c, {**p, "guided_regex": "a+", "guided_choice": ["a"]}, 400, "guided_choice"),
         Case("logit_bias (not implemented)", c, {**p, "logit_bias": {"1": 100}}, 400, "logit_bias"),
         Case("unknown field", c, {**p, "wizardry": 1}, 400, "wizardry"),
         Case("unknown role", ch, {**m, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
@@ -256,3 +296,36 @@ def check_cases(url: str, headers: dict, model: str) -> list[str]:
             elif case.param is not None and err.get("param") != case.param:
                 wrong.append(f"{case.name}: param {err.get('param')!r}, expected {case.param!r}")
     return wrong
+
+
+PROBES = frozenset({"/health", "/ready", "/metrics"})
+
+
+def check_api_key(url: str, key: str, model: str) -> tuple[int, list[str]]:
+    """Every route the server's OpenAPI schema lists, but the probes, answers 401 invalid_api_key
+    without the key, with a wrong one and with the bare key (no Bearer), and not 401 with it;
+    /internal/* refuses the API key too (it needs the internal secret). Returns (checked, wrong)."""
+    paths = httpx.get(url + "/openapi.json", timeout=30).json()["paths"]
+    body = {"model": model, "prompt": "a", "max_tokens": 1}
+    wrong, checked = [], 0
+    for path, methods in sorted(paths.items()):
+        if path in PROBES:
+            continue
+        for method in methods:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key},
+                            {"Authorization": f"Bearer {key}x"}):
+                r = httpx.request(method.upper(), url + path, headers=headers, timeout=30,
+                                  json=body if method == "post" else None)
+                err = r.json().get("error", {}) if r.status_code == 401 else {}
+                if r.status_code != 401 or err.get("code") != "invalid_api_key":
+                    wrong.append(f"{method.upper()} {path} {headers}: {r.status_code} {r.text[:200]}")
+                checked += 1
+            r = httpx.request(method.upper(), url + path, headers={"Authorization": f"Bearer {key}"}, timeout=60,
+                              json=body if method == "post" else None)
+            internal = path.startswith("/internal/")
+            if (r.status_code == 401) != internal or r.status_code >= 500:
+                wrong.append(f"{method.upper()} {path} with the key: {r.status_code} {r.text[:200]}")
+    for path in PROBES:  # probes and scrapes carry no key
+        if httpx.get(url + path, timeout=30).status_code != 200:
+            wrong.append(f"{path} without a key is not 200")
+    return checked, wrong

@@ -183,6 +183,9 @@ class LocalBackend:
     def admit(self, prompt_tokens: int, seqs: int = 1) -> Ticket:
         return self.admission.admit(prompt_tokens, seqs)
 
+    def capacity(self) -> int:
+        return self.admission.max_requests
+
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
                  ) -> AsyncIterator[RequestOutput]:
         return self.aengine.generate(request_id, prompt_ids, params)

@@ -1,12 +1,18 @@
-"""The one ASGI middleware that runs before a request's body is read: who may call a route, and
-how big a body may be.
+"""The one ASGI middleware that runs before a request's body is read: who may call a route, how
+big a body may be, and whether there is room for another generation at all.
 
 - client routes (`/v1/*`, `/debug/*`, `/tokenize`, `/detokenize`, `/tokenizer_info`) need the
   API key when one is set (`Authorization: Bearer <key>`);
 - internal routes (`/internal/*`, and on split workers `/debug/*` too) need the internal secret
   (runtime/internal_secret.py's header), always;
 - probes and scrapes (`/health`, `/ready`, `/metrics`) need nothing;
-- a body over `max_body` bytes gets 413, by its Content-Length or, chunked, as it arrives.
+- a body over `max_body` bytes gets 413, by its Content-Length or, chunked, as it arrives;
+- with `capacity` given, a generation request (`/v1/completions`, `/v1/chat/completions`) that
+  finds as many generation requests in the process as it could ever admit gets 429 at once.
+  Refusing there, before the body is parsed and the prompt tokenized, is what keeps overload
+  cheap: a burst of clients beyond capacity costs the event loop almost nothing, so the admitted
+  requests are not slowed (or their worker connections timed out) by the ones refused. The exact
+  admission (sequences and tokens, server/admission.py) follows once the prompt is known.
 
 Keys are compared in constant time. Answers are in OpenAI's error shape, 401 `invalid_api_key`.
 Raw ASGI (not FastAPI dependencies) so that a refused request costs no parsing at all.
@@ -28,6 +34,8 @@ DEFAULT_MAX_BODY = 4 * 1024 * 1024  # bytes: a full-context prompt as JSON token
 CLIENT_PREFIXES = ("/v1/", "/debug/")
 CLIENT_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
 INTERNAL_PREFIXES = ("/internal/",)
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+RETRY_AFTER = 1  # seconds, in every 429's Retry-After
 _INTERNAL_HEADER = internal_secret.HEADER.lower().encode()
 
 
@@ -49,13 +57,20 @@ def check_api_key(api_key: str | None) -> None:
 class Guards:
     """api_key: what clients send on client routes (None: no key). secret: the internal secret
     (None: this process serves no internal routes, so every internal path is refused).
-    internal_prefixes: the paths that need the secret (split workers add `/debug/`)."""
+    internal_prefixes: the paths that need the secret (split workers add `/debug/`). capacity:
+    how many generation requests the process could admit now (None: no gate)."""
 
     def __init__(self, app: ASGIApp, api_key: str | None = None, secret: str | None = None,
-                 max_body: int = DEFAULT_MAX_BODY, internal_prefixes: tuple[str, ...] = INTERNAL_PREFIXES) -> None:
+                 max_body: int = DEFAULT_MAX_BODY, internal_prefixes: tuple[str, ...] = INTERNAL_PREFIXES,
+                 capacity: Callable[[], int] | None = None) -> None:
         check_api_key(api_key)
         self.app, self.secret, self.max_body, self.internal_prefixes = app, secret, max_body, internal_prefixes
         self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.capacity = capacity
+        self.generating = 0  # generation requests between this gate and their response's end
+
+    def _too_large(self) -> dict[str, Any]:
+        return error_body(f"the request body is larger than {self.max_body} bytes", code="request_too_large")
 
     def _refusal(self, path: str, headers: dict[bytes, bytes]) -> str | None:
         """Why the caller may not call this path, or None."""
@@ -78,12 +93,26 @@ class Guards:
         why = self._refusal(scope["path"], headers)
         if why is not None:
             return await _reply(send, 401, error_body(why, "authentication_error", code="invalid_api_key"))
-        too_large = error_body(f"the request body is larger than {self.max_body} bytes", code="request_too_large")
         try:
             if int(headers.get(b"content-length", b"0")) > self.max_body:
-                return await _reply(send, 413, too_large)
+                return await _reply(send, 413, self._too_large())
         except ValueError:
             return await _reply(send, 400, error_body("invalid Content-Length header"))
+        if self.capacity is not None and scope["path"] in GENERATION_PATHS and scope["method"] == "POST":
+            if self.generating >= max(1, self.capacity()):
+                return await _reply(send, 429, error_body(
+                    f"the server is at capacity ({self.generating} requests in flight); retry later", "requests",
+                    code="rate_limit_exceeded"), [(b"retry-after", str(RETRY_AFTER).encode())])
+            self.generating += 1
+            try:
+                return await self._guarded(scope, receive, send)
+            finally:
+                self.generating -= 1
+        return await self._guarded(scope, receive, send)
+
+    async def _guarded(self, scope: dict, receive: Callable[[], Awaitable[dict]],
+                       send: Callable[[dict], Awaitable[None]]) -> None:
+        """The app, with the body counted against the size limit as it arrives."""
         seen = 0
         replied = False
 
@@ -96,7 +125,7 @@ class Guards:
                 seen += len(message.get("body", b""))
                 if seen > self.max_body:
                     replied = True
-                    await _reply(send, 413, too_large)
+                    await _reply(send, 413, self._too_large())
                     return {"type": "http.disconnect"}
             return message
 

@@ -65,6 +65,10 @@ class Backend(Protocol):
         """Take a request in, or raise Overloaded (admission control)."""
         ...
 
+    def capacity(self) -> int:
+        """How many requests could be admitted now (the gate before the body: server/guards.py)."""
+        ...
+
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
                  ) -> AsyncIterator[RequestOutput]: ...
 
@@ -148,7 +152,7 @@ def build_openai_app(backend: Backend, served_name: str | list[str], metrics: Me
     check_api_key(api_key)
     names = [served_name] if isinstance(served_name, str) else list(served_name)
     app = FastAPI(title="phasesplit", docs_url=None, redoc_url=None)
-    app.add_middleware(Guards, api_key=api_key, secret=secret, max_body=max_body)
+    app.add_middleware(Guards, api_key=api_key, secret=secret, max_body=max_body, capacity=backend.capacity)
     install_error_handlers(app)
     add_common_routes(app, metrics, ready, alive)
     tok = backend.tokenizer

@@ -78,6 +78,9 @@ class RemoteBackend:
             except GrammarError as e:
                 raise RequestError(str(e), e.param) from None
 
+    def capacity(self) -> int:
+        return self.per_worker * len(self.decode.live())
+
     def admit(self, prompt_tokens: int, seqs: int = 1) -> Ticket:
         live = self.decode.live()
         if not live:

@@ -36,8 +36,10 @@ def test_a_poisoned_request_fails_alone(engine):
     try:
         async def main():
             return await asyncio.gather(
-                _run(aengine, "bad", SamplingParams(max_tokens=4, temperature=math.nan)),
-                *(_run(aengine, f"ok{i}", SamplingParams(max_tokens=6, temperature=0.8, seed=i)) for i in range(3)))
+                _run(aengine, "bad", SamplingParams(max_tokens=4, temperature=math.nan, n=2)),
+                # logprobs: the healthy rows' logprobs still line up with their tokens
+                *(_run(aengine, f"ok{i}", SamplingParams(max_tokens=6, temperature=0.8, seed=i, logprobs=i))
+                  for i in range(3)))
 
         bad, *good = asyncio.run(main())
         assert isinstance(bad, str) and "sampling failed" in bad, bad

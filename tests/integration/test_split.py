@@ -72,7 +72,7 @@ def texts(url: str, prompts: list[list[int]], parallel: int) -> list[str]:
 
 
 def state(url: str) -> dict:
-    return httpx.get(url + "/debug/state", timeout=5).json()
+    return httpx.get(url + "/debug/state", headers=INTERNAL, timeout=5).json()
 
 
 def wait_no_blocks(url: str, timeout: float = 20) -> dict:

@@ -171,3 +171,36 @@ def test_guards_split_worker_debug_needs_the_secret():
             assert (await c.post("/v1/echo", content=b"x")).status_code == 200  # no API key configured
 
     asyncio.run(run())
+
+
+def test_guards_gate_refuses_generations_beyond_capacity_before_the_body():
+    async def run() -> None:
+        app = FastAPI()
+        release = asyncio.Event()
+        bodies: list[int] = []
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> dict:
+            bodies.append(len(await request.body()))
+            await release.wait()
+            return {"ok": True}
+
+        @app.post("/tokenize")
+        async def tokenize() -> dict:
+            return {"ok": True}
+
+        gated = Guards(app, capacity=lambda: 2)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=gated), base_url="http://t") as c:
+            first = [asyncio.create_task(c.post("/v1/completions", content=b"{}")) for _ in range(2)]
+            while gated.generating < 2:
+                await asyncio.sleep(0.01)
+            r = await c.post("/v1/completions", content=b"x" * 100)
+            assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+            assert r.json()["error"]["code"] == "rate_limit_exceeded"
+            assert (await c.post("/tokenize")).status_code == 200  # not a generation: not gated
+            release.set()
+            assert [(await t).status_code for t in first] == [200, 200]
+            assert gated.generating == 0 and bodies == [2, 2]  # the refused body was never read
+            assert (await c.post("/v1/completions", content=b"{}")).status_code == 200
+
+    asyncio.run(run())
