@@ -13,6 +13,7 @@ import asyncio
 import json
 import math
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -187,9 +188,13 @@ def run_fuzz(url: str, headers: dict, model: str, total: int, batch: int = 25) -
     def one_batch(items: list[tuple[str, dict]]) -> None:
         asyncio.run(send_batch(items))
         stats.batches += 1
+        if stats.batches % 40 == 0:  # progress: a CI-size run takes minutes
+            print(f"  fuzz {url}: {stats.total} requests in {time.monotonic() - t0:.0f}s, "
+                  f"statuses {dict(sorted(stats.statuses.items()))}", flush=True)
         normal_request(url, headers, model)
         assert not stats.failures, "\n".join(stats.failures[:10])
 
+    t0 = time.monotonic()
     one_batch()
     # Hypothesis skips examples whose draws overran its buffer: every batch must have been sent.
     assert stats.batches == max(1, total // batch), f"only {stats.batches} batches of {total // batch} ran"

@@ -246,7 +246,14 @@ class LLMEngine:
     # -- split mode, decode side: results of the remote prefill (runtime/disagg/decode.py) ------
 
     def _reserve_remote(self) -> None:
-        while self.remote_waiting and self.blocks.can_allocate(self.remote_waiting[0]):
+        # Reserved requests join the batch when their K/V lands: they count against --max-num-seqs
+        # now, so the batch never outgrows it and requests beyond it wait here, as local ones wait
+        # in the scheduler (the first of a queue of long generations then finish after one batch's
+        # time, not all of them after the whole queue's).
+        reserved = sum(1 for s in self.seqs.values() if s.status is Status.REMOTE_PREFILL and s.block_table)
+        while (self.remote_waiting and len(self.scheduler.running) + reserved < self.scheduler.max_num_seqs
+               and self.blocks.can_allocate(self.remote_waiting[0])):
+            reserved += 1
             seq = self.remote_waiting.pop(0)
             self.blocks.allocate(seq)  # prefix-cache hits here need not be sent
             seq.first_scheduled = time.monotonic()

@@ -65,6 +65,8 @@ def test_api_key_on_every_client_route(server):
     assert checked >= 4 * 8  # /v1/models, completions, chat, tokenize, detokenize, tokenizer_info, debug, ...
 
 
+# 5,000 requests with a normal one after every 25: minutes on 2 cores, more on a loaded machine.
+@pytest.mark.timeout(2400)
 def test_fuzz_the_openapi_schema(server):
     stats = run_fuzz(server.url, AUTH, MODEL, fuzz_requests())
     print(f"\nfuzz (colocated worker): {stats.total} requests in {stats.batches} batches, "

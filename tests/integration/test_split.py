@@ -286,6 +286,29 @@ def test_reservation_is_held_while_a_frame_lands():
     assert engine.blocks.num_allocated == 0
 
 
+def test_remote_reservations_count_against_max_num_seqs():
+    """A decode worker reserves blocks for remote prefills only while its batch has room: with
+    --max-num-seqs 2, a third remote request waits unreserved (no K/V is sent for it) until one
+    of the first two ends."""
+    from phasesplit.runtime.engine.engine import EngineConfig, LLMEngine
+    from phasesplit.runtime.engine.model_runner import RunnerConfig
+    from phasesplit.runtime.request import SamplingParams
+
+    engine = LLMEngine("smollm2", EngineConfig(max_num_seqs=2,
+                                               runner=RunnerConfig(dtype="float32", kv_cache_memory=16 << 20)))
+    seqs = [engine.add_request(r, list(range(1, 40)), SamplingParams(max_tokens=4), remote=True) for r in "abc"]
+    assert [bool(s.block_table) for s in seqs] == [True, True, False]
+    engine.remote_prefilled("a", 5)  # a joins the batch: still two in it (a running, b reserved)
+    engine.step()
+    assert not seqs[2].block_table
+    engine.abort("b")
+    engine.step()
+    assert seqs[2].block_table, "reserved once a place in the batch was free"
+    for r in "ac":
+        engine.abort(r)
+    assert engine.blocks.num_allocated == 0
+
+
 def test_local_prefill_threshold_counts_uncached_tokens():
     """--local-prefill-threshold compares the tokens the decode worker's prefix cache lacks, not
     the whole prompt: a long prompt whose prefix is cached here is computed here, a long uncached

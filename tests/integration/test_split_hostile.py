@@ -193,6 +193,8 @@ def test_router_hand_picked_hostile_requests(split):
     normal_request(router.url, AUTH, MODEL)
 
 
+# 5,000 requests with a normal one after every 25: minutes on 2 cores, more on a loaded machine.
+@pytest.mark.timeout(2400)
 def test_router_fuzz(split):
     router = split[2]
     stats = run_fuzz(router.url, AUTH, MODEL, fuzz_requests())
