@@ -62,7 +62,7 @@ def test_api_key_on_every_client_route(server):
     checked, wrong = check_api_key(server.url, KEY, MODEL)
     print(f"\n401 invalid_api_key on {checked} calls without, or with a wrong, key")
     assert not wrong, "\n".join(wrong)
-    assert checked >= 4 * 8  # /v1/models, completions, chat, tokenize, detokenize, tokenizer_info, debug, ...
+    assert checked >= 4 * 7  # /v1/models, completions, chat, tokenize, detokenize, tokenizer_info, debug/state
 
 
 # 5,000 requests with a normal one after every 25: minutes on 2 cores, more on a loaded machine.
