@@ -8,7 +8,9 @@ big a body may be, and whether there is room for another generation at all.
 - probes and scrapes (`/health`, `/ready`, `/metrics`) need nothing;
 - a body over `max_body` bytes gets 413, by its Content-Length or, chunked, as it arrives;
 - with `capacity` given, a generation request (`/v1/completions`, `/v1/chat/completions`) that
-  finds as many generation requests in the process as it could ever admit gets 429 at once.
+  finds twice as many generation requests in the process as it could admit gets 429 at once (the
+  margin: requests that turn out invalid are refused with 400 only once parsed, and must not
+  crowd out valid ones).
   Refusing there, before the body is parsed and the prompt tokenized, is what keeps overload
   cheap: a burst of clients beyond capacity costs the event loop almost nothing, so the admitted
   requests are not slowed (or their worker connections timed out) by the ones refused. The exact
@@ -36,6 +38,7 @@ CLIENT_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
 INTERNAL_PREFIXES = ("/internal/",)
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 RETRY_AFTER = 1  # seconds, in every 429's Retry-After
+GATE_FACTOR = 2  # generation requests let past the gate, per request the process could admit
 _INTERNAL_HEADER = internal_secret.HEADER.lower().encode()
 
 
@@ -99,7 +102,7 @@ class Guards:
         except ValueError:
             return await _reply(send, 400, error_body("invalid Content-Length header"))
         if self.capacity is not None and scope["path"] in GENERATION_PATHS and scope["method"] == "POST":
-            if self.generating >= max(1, self.capacity()):
+            if self.generating >= GATE_FACTOR * max(1, self.capacity()):
                 return await _reply(send, 429, error_body(
                     f"the server is at capacity ({self.generating} requests in flight); retry later", "requests",
                     code="rate_limit_exceeded"), [(b"retry-after", str(RETRY_AFTER).encode())])

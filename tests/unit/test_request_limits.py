@@ -189,7 +189,7 @@ def test_guards_gate_refuses_generations_beyond_capacity_before_the_body():
         async def tokenize() -> dict:
             return {"ok": True}
 
-        gated = Guards(app, capacity=lambda: 2)
+        gated = Guards(app, capacity=lambda: 1)  # lets 2 x 1 past the gate
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=gated), base_url="http://t") as c:
             first = [asyncio.create_task(c.post("/v1/completions", content=b"{}")) for _ in range(2)]
             while gated.generating < 2:
