@@ -124,7 +124,21 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drain-timeout", type=parse_seconds, default=300.0,
                    help="on SIGTERM: how long to let requests in flight finish before exiting")
     g.add_argument("--api-key-env", default="PHASESPLIT_API_KEY",
-                   help="router: env var holding the API key clients must send (unset: no auth)")
+                   help="router/colocated: env var holding the API key clients must send (unset: no auth; "
+                        "set but empty: refuses to start)")
+    g = p.add_argument_group("admission (beyond these limits a request gets 429 with Retry-After)")
+    g.add_argument("--max-queued-requests", type=int, default=None,
+                   help="requests a worker holds beyond its running batch (default: 4 x --max-num-seqs); "
+                        "the router admits this plus --max-num-seqs per live decode worker")
+    g.add_argument("--max-queued-tokens", type=int, default=None,
+                   help="prompt tokens a worker holds beyond what its KV cache fits (default: 4 x the KV "
+                        "cache's tokens)")
+    g.add_argument("--max-body-bytes", type=parse_bytes, default=4 * 1024 * 1024,
+                   help="largest request body; bigger ones get 413")
+    g.add_argument("--worker-read-timeout", type=parse_seconds, default=30.0,
+                   help="router: seconds a decode worker may stay silent mid-request (it sends a keepalive "
+                        "line every 2 s while a request waits) before the request fails and the worker is "
+                        "marked down")
 
 
 def build_parser() -> argparse.ArgumentParser:

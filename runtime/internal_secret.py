@@ -2,7 +2,7 @@
 peer proves it holds it. Torch-free (the router imports it).
 
 HTTP: internal calls (/internal/*) carry the secret in one header, checked in constant time
-before the body is read (server/internal_auth.py). KV port: the secret itself never crosses the
+before the body is read (server/guards.py). KV port: the secret itself never crosses the
 wire; each connection starts with a mutual challenge (kv/handshake.py) whose answers are
 HMAC-SHA256 proofs computed here.
 
@@ -35,6 +35,11 @@ def load(environ: dict[str, str] | None = None) -> str:
     if len(value) < MIN_LENGTH:
         raise SecretError(f"{ENV} is shorter than {MIN_LENGTH} characters")
     return value
+
+
+def headers(secret: str) -> dict[str, str]:
+    """What a client of another worker's /internal/* sends."""
+    return {HEADER: secret}
 
 
 def matches(secret: str, presented: str | None) -> bool:

@@ -25,6 +25,21 @@ MAX_CHOICES = 16
 MAX_LOGPROBS = 20
 
 
+class Overloaded(RuntimeError):
+    """The server holds as much work as it admits; try again later (servers map it to HTTP 429)."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+# Below this a temperature means greedy, as in vLLM: dividing logits by it overflows to inf/NaN.
+GREEDY_TEMPERATURE = 1e-5
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+MAX_STOP_TOKEN_IDS = 256
+
+
 @dataclass
 class SamplingParams:
     # Serialised by the internal calls (disagg/messages.py), which pydantic validates: an unknown
@@ -46,18 +61,29 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token (the first has none)
     guided: dict[str, str] | None = None  # a structured-output constraint (engine/grammar.py spec)
 
-    def validate(self) -> None:
-        """Raise RequestError naming the first field out of range."""
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise RequestError naming the first field out of range (the ranges of vLLM and the
+        OpenAI API). vocab_size: check stop_token_ids against it."""
         if self.max_tokens < 1:
             raise RequestError("max_tokens must be at least 1", "max_tokens")
-        if self.temperature < 0:
-            raise RequestError("temperature must be >= 0", "temperature")
+        # `not a <= x <= b` is also true for NaN, so the range checks refuse non-finite numbers.
+        if not 0 <= self.temperature <= 2:
+            raise RequestError("temperature must be a number in [0, 2]", "temperature")
         if not 0 < self.top_p <= 1:
-            raise RequestError("top_p must be in (0, 1]", "top_p")
+            raise RequestError("top_p must be a number in (0, 1]", "top_p")
         if self.top_k < 0:
-            raise RequestError("top_k must be >= 0 (0 turns it off)", "top_k")
+            raise RequestError("top_k must be -1 or 0 (off) or a positive count", "top_k")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise RequestError("min_tokens must be between 0 and max_tokens", "min_tokens")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise RequestError("seed must fit in 64 bits", "seed")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in self.stop):
+            raise RequestError(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} "
+                               "characters", "stop")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise RequestError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be token ids in [0, {vocab_size})", "stop_token_ids")
         if not 1 <= self.n <= MAX_CHOICES:
             raise RequestError(f"n must be between 1 and {MAX_CHOICES}", "n")
         if self.best_of is not None and not self.n <= self.best_of <= MAX_CHOICES:
@@ -74,7 +100,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 

@@ -30,10 +30,11 @@ def free_port() -> int:
 class Proc:
     """One `phasesplit ...` child process with its log file."""
 
-    def __init__(self, args: list[str], log_path: Path, url: str | None = None) -> None:
+    def __init__(self, args: list[str], log_path: Path, url: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.args, self.log_path, self.url = args, log_path, url
         self.log = open(log_path, "wb")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **{internal_secret.ENV: INTERNAL_SECRET})
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", internal_secret.ENV: INTERNAL_SECRET, **(env or {})}
         self.p = subprocess.Popen([sys.executable, "-m", "phasesplit.runtime.cli", *args], stdout=self.log,
                                   stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -72,7 +73,8 @@ class Proc:
         self.log.close()
 
 
-def serve(role: str, log_dir: Path, *extra: str, port: int | None = None) -> Proc:
+def serve(role: str, log_dir: Path, *extra: str, port: int | None = None,
+          env: dict[str, str] | None = None) -> Proc:
     port = port or free_port()
     args = ["serve", "--role", role, "--port", str(port), "--kv-cache-memory", "192MiB", *extra]
-    return Proc(args, log_dir / f"{role}-{port}.log", f"http://127.0.0.1:{port}")
+    return Proc(args, log_dir / f"{role}-{port}.log", f"http://127.0.0.1:{port}", env)

@@ -36,13 +36,13 @@ from urllib.parse import urlsplit
 import httpx
 import torch
 
+from phasesplit.runtime import internal_secret
 from phasesplit.runtime.disagg.messages import PrefillCall, PrefillDone
 from phasesplit.runtime.engine.engine import KVConnector
 from phasesplit.runtime.engine.sequence import Sequence
 from phasesplit.runtime.kv.receiver import KVReceiver
 from phasesplit.runtime.kv.sender import TransferFailed
 from phasesplit.runtime.server.async_engine import AsyncEngine
-from phasesplit.runtime.server.internal_auth import headers
 from phasesplit.runtime.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class DecodeConnector(KVConnector):
         self.routes: dict[str, list[str]] = {}  # request -> prefill candidates the router ranked
         self.lock = threading.Lock()
         self.transfers: dict[str, RemotePrefill] = {}
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0), headers=headers(secret))
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0), headers=internal_secret.headers(secret))
 
     # -- engine thread (KVConnector) --------------------------------------------------------------
 

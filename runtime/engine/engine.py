@@ -13,6 +13,7 @@ engine only calls it through `KVConnector` and takes its results (`remote_prefil
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -26,6 +27,8 @@ from phasesplit.runtime.engine.sequence import Sequence, Status
 from phasesplit.runtime.model.loader import resolve
 from phasesplit.runtime.model.tokenizer import IncrementalDecoder, TextTokenizer
 from phasesplit.runtime.request import RequestError, RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -136,7 +139,7 @@ class LLMEngine:
 
     def check_request(self, prompt_len: int, params: SamplingParams) -> None:
         """Raise RequestError for a request that could never complete (the process's edge calls it)."""
-        params.validate()
+        params.validate(self.tokenizer.vocab_size)
         if prompt_len == 0:
             raise RequestError("the prompt is empty", "prompt")
         total = prompt_len + params.max_tokens
@@ -243,7 +246,14 @@ class LLMEngine:
     # -- split mode, decode side: results of the remote prefill (runtime/disagg/decode.py) ------
 
     def _reserve_remote(self) -> None:
-        while self.remote_waiting and self.blocks.can_allocate(self.remote_waiting[0]):
+        # Reserved requests join the batch when their K/V lands: they count against --max-num-seqs
+        # now, so the batch never outgrows it and requests beyond it wait here, as local ones wait
+        # in the scheduler (the first of a queue of long generations then finish after one batch's
+        # time, not all of them after the whole queue's).
+        reserved = sum(1 for s in self.seqs.values() if s.status is Status.REMOTE_PREFILL and s.block_table)
+        while (self.remote_waiting and len(self.scheduler.running) + reserved < self.scheduler.max_num_seqs
+               and self.blocks.can_allocate(self.remote_waiting[0])):
+            reserved += 1
             seq = self.remote_waiting.pop(0)
             self.blocks.allocate(seq)  # prefix-cache hits here need not be sent
             seq.first_scheduled = time.monotonic()
@@ -350,18 +360,43 @@ class LLMEngine:
             row = {id(seq): i for i, seq in enumerate(sampled)}
             allowed = {row[id(seq)]: m for seq, m in zip(constrained, masks.result(), strict=True)}
         banned = [self._banned(s) for s in sampled]
-        tokens = self.sampler.sample(logits, [s.params for s in sampled], banned, [len(s.output_ids) for s in sampled],
-                                     allowed)
+        tokens = self._sample(sampled, logits, banned, allowed)
+        keep = [j for j, i in enumerate(want) if tokens[i] is not None]  # rows whose sampling failed: none
         lps: list[dict[str, Any] | None] = [None] * len(sampled)
-        if want:
-            got = logprobs_of(raw, [tokens[i] for i in want], [sampled[i].params.logprobs or 0 for i in want])
-            for i, lp in zip(want, got, strict=True):
+        if keep:
+            rows = [want[j] for j in keep]
+            got = logprobs_of(raw[keep], [tokens[i] for i in rows], [sampled[i].params.logprobs or 0 for i in rows])
+            for i, lp in zip(rows, got, strict=True):
                 lps[i] = lp
         now = time.monotonic()
         for seq, token, lp in zip(sampled, tokens, lps, strict=True):
+            if token is None or seq.status is Status.FINISHED:  # its request failed alone (self.fail)
+                continue
             outputs.append(self._append_token(seq, token, now, lp))
+        outputs.extend(self.outputs_pending)  # the failures
+        self.outputs_pending = []
         self.observer.on_step(batch, time.perf_counter() - t0)
         return outputs
+
+    def _sample(self, sampled: list[Sequence], logits, banned: list[list[int]],
+                allowed: dict[int, Any] | None) -> list[int | None]:
+        """One token per sequence. If the batch's sampling fails, each row is sampled alone and
+        a row that still fails fails its own request (None), not the step."""
+        indices = [len(s.output_ids) for s in sampled]
+        try:
+            return self.sampler.sample(logits, [s.params for s in sampled], banned, indices, allowed)
+        except Exception:  # noqa: BLE001 - find the request that brought the fault in
+            log.exception("sampling a batch of %d failed; sampling its rows one by one", len(sampled))
+            tokens: list[int | None] = []
+            for i, seq in enumerate(sampled):
+                mask = {0: allowed[i]} if allowed and i in allowed else None
+                try:
+                    tokens.append(self.sampler.sample(logits[i : i + 1], [seq.params], [banned[i]], [indices[i]],
+                                                      mask)[0])
+                except Exception as e:  # noqa: BLE001
+                    tokens.append(None)
+                    self.fail(seq.group, f"sampling failed: {e}")
+            return tokens
 
     def _banned(self, seq: Sequence) -> list[int]:
         if len(seq.output_ids) >= seq.params.min_tokens:

@@ -16,6 +16,7 @@ from typing import Any
 
 from phasesplit.runtime.engine.engine import LLMEngine
 from phasesplit.runtime.request import RequestOutput, SamplingParams
+from phasesplit.runtime.server.admission import Admission, Ticket
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +27,11 @@ class EngineDead(RuntimeError):
 
 class GenerationFailed(RuntimeError):
     """The request ended with an error (e.g. its remote prefill failed under the `fail` policy)."""
+
+
+# Steps that fail one after another before the engine is declared dead: a fault that a request
+# brought in goes with the requests it fails; one that stays (the device) ends the process.
+MAX_FAILED_STEPS = 3
 
 
 class AsyncEngine:
@@ -71,6 +77,14 @@ class AsyncEngine:
             if not finished:
                 self.inbox.put(("abort", request_id))
 
+    def alive(self) -> tuple[bool, str]:
+        """For /health: False once the engine thread has stopped serving."""
+        if self.error is not None:
+            return False, f"engine failed: {self.error}"
+        if not self._thread.is_alive() and not self._stop.is_set():
+            return False, "engine thread exited"
+        return True, "ok"
+
     def call(self, fn: Callable[[LLMEngine], Any]) -> None:
         """Run fn(engine) on the engine thread (the remote-prefill protocol's results)."""
         self.inbox.put(("call", fn))
@@ -103,10 +117,25 @@ class AsyncEngine:
         elif kind == "abort":
             e.abort(payload)
         elif kind == "call":
-            payload(e)
+            try:
+                payload(e)
+            except Exception:  # noqa: BLE001 - a protocol callback's bug must not stop the engine
+                log.exception("engine callback failed")
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """Fail every request the engine holds (one of them brought the fault in); keep serving."""
+        for rid in list(self.engine.seqs):
+            try:
+                self.engine.fail(rid, f"generation failed: {exc}")
+            except Exception:  # noqa: BLE001
+                log.exception("cannot fail request %s", rid)
+        for out in self.engine.outputs_pending:
+            self._deliver(out.request_id, out)
+        self.engine.outputs_pending = []
 
     def _run(self) -> None:
         e = self.engine
+        failed_steps = 0
         while not self._stop.is_set():
             try:
                 kind, payload = self.inbox.get(timeout=None if not e.has_work() else 0)
@@ -124,8 +153,15 @@ class AsyncEngine:
                 if e.has_work():
                     for out in e.step():
                         self._deliver(out.request_id, out)
-            except Exception as exc:  # noqa: BLE001 - report to every waiter, then stop
-                log.exception("engine step failed")
+                failed_steps = 0
+            except Exception as exc:  # noqa: BLE001 - fail what it held; stop if it keeps failing
+                failed_steps += 1
+                log.exception("engine step failed (%d in a row); failing the %d requests it held",
+                              failed_steps, len(e.seqs))
+                if failed_steps < MAX_FAILED_STEPS:
+                    self._fail_all(exc)
+                    continue
+                log.error("engine stopped after %d failed steps: %s; /health now fails", failed_steps, exc)
                 self.error = exc
                 for rid in list(self.streams):
                     self._deliver(rid, EngineDead(f"engine failed: {exc}"))
@@ -135,13 +171,20 @@ class AsyncEngine:
 class LocalBackend:
     """The OpenAI API's backend in colocated mode: the engine in this process."""
 
-    def __init__(self, aengine: AsyncEngine) -> None:
+    def __init__(self, aengine: AsyncEngine, admission: Admission) -> None:
         self.aengine = aengine
+        self.admission = admission
         self.tokenizer = aengine.engine.tokenizer
         self.max_model_len = aengine.engine.max_model_len
 
     def check_request(self, prompt_len: int, params: SamplingParams) -> None:
         self.aengine.engine.check_request(prompt_len, params)
+
+    def admit(self, prompt_tokens: int, seqs: int = 1) -> Ticket:
+        return self.admission.admit(prompt_tokens, seqs)
+
+    def capacity(self) -> int:
+        return self.admission.max_requests
 
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
                  ) -> AsyncIterator[RequestOutput]:

@@ -22,7 +22,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from phasesplit.runtime.engine.grammar import GrammarError
 from phasesplit.runtime.model.tokenizer import TextTokenizer
-from phasesplit.runtime.request import RequestError, RequestOutput, SamplingParams
+from phasesplit.runtime.request import Overloaded, RequestError, RequestOutput, SamplingParams
+from phasesplit.runtime.server.admission import Ticket
+from phasesplit.runtime.server.guards import DEFAULT_MAX_BODY, Guards, check_api_key
 from phasesplit.runtime.server.metrics import Metrics
 from phasesplit.runtime.server.protocol import (
     ChatChoice,
@@ -59,6 +61,14 @@ class Backend(Protocol):
 
     def check_request(self, prompt_len: int, params: SamplingParams) -> None: ...
 
+    def admit(self, prompt_tokens: int, seqs: int = 1) -> Ticket:
+        """Take a request in, or raise Overloaded (admission control)."""
+        ...
+
+    def capacity(self) -> int:
+        """How many requests could be admitted now (the gate before the body: server/guards.py)."""
+        ...
+
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
                  ) -> AsyncIterator[RequestOutput]: ...
 
@@ -74,12 +84,15 @@ def _error_response(e: APIError) -> JSONResponse:
     return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status)
 
 
-def add_common_routes(app: FastAPI, metrics: Metrics, ready: Callable[[], tuple[bool, str]]) -> None:
-    """Health, readiness and metrics, which every role serves."""
+def add_common_routes(app: FastAPI, metrics: Metrics, ready: Callable[[], tuple[bool, str]],
+                      alive: Callable[[], tuple[bool, str]] | None = None) -> None:
+    """Health, readiness and metrics, which every role serves. alive: False once the process can
+    no longer serve (its engine thread died), so the liveness probe restarts it."""
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        ok, why = alive() if alive is not None else (True, "ok")
+        return JSONResponse({"status": "ok" if ok else "failed", "reason": why}, status_code=200 if ok else 503)
 
     @app.get("/ready")
     async def readiness() -> JSONResponse:
@@ -96,6 +109,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
         return _error_response(e)
 
+    @app.exception_handler(Overloaded)
+    async def _overloaded(_: Request, e: Overloaded) -> JSONResponse:
+        # OpenAI's rate-limit shape: clients (the openai SDK included) back off on 429 + Retry-After.
+        return JSONResponse(error_body(str(e), "requests", code="rate_limit_exceeded"), status_code=429,
+                            headers={"Retry-After": str(e.retry_after)})
+
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
         errors = e.errors()
@@ -104,6 +123,8 @@ def install_error_handlers(app: FastAPI) -> None:
             return _error_response(APIError(400, "the request body is not valid JSON"))
         loc = [str(x) for x in first.get("loc", []) if x != "body"]
         msg = first.get("msg", "invalid request")
+        if first.get("type") == "extra_forbidden":
+            msg = "this server does not implement this field"
         if not loc:
             return _error_response(APIError(400, f"the request body must be a JSON object: {msg}"))
         param = ".".join(loc) or None
@@ -123,17 +144,18 @@ def served_names(args: argparse.Namespace, default: str) -> list[str]:
 
 
 def build_openai_app(backend: Backend, served_name: str | list[str], metrics: Metrics,
-                     ready: Callable[[], tuple[bool, str]], api_key: str | None = None) -> FastAPI:
+                     ready: Callable[[], tuple[bool, str]], api_key: str | None = None,
+                     secret: str | None = None, alive: Callable[[], tuple[bool, str]] | None = None,
+                     max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
+    """api_key: required on the client routes (None: no key; "" is refused). secret: the internal
+    secret the router's /internal/* routes need (server/guards.py checks both before the body)."""
+    check_api_key(api_key)
     names = [served_name] if isinstance(served_name, str) else list(served_name)
     app = FastAPI(title="phasesplit", docs_url=None, redoc_url=None)
+    app.add_middleware(Guards, api_key=api_key, secret=secret, max_body=max_body, capacity=backend.capacity)
     install_error_handlers(app)
-    add_common_routes(app, metrics, ready)
+    add_common_routes(app, metrics, ready, alive)
     tok = backend.tokenizer
-
-    def check_auth(request: Request) -> None:
-        if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
-            raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
-                           "authentication_error", code="invalid_api_key")
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in names:
@@ -158,48 +180,43 @@ def build_openai_app(backend: Backend, served_name: str | list[str], metrics: Me
         return params
 
     @app.get("/v1/models")
-    async def models(request: Request) -> ModelList:
-        check_auth(request)
+    async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=n, root=names[0], max_model_len=backend.max_model_len)
                                for n in names])
 
     @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest, request: Request) -> TokenizeResponse:
-        check_auth(request)
+    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
             try:
-                text = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages],
-                                               req.add_generation_prompt)
+                msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None
-            ids = tok.encode(text)
+            ids = await _render(tok, msgs, req.add_generation_prompt)
+        elif req.add_special_tokens:
+            ids = await asyncio.to_thread(tok.encode, req.prompt)
         else:
-            ids = tok.encode(req.prompt) if req.add_special_tokens else tok.tok.encode(
-                req.prompt, add_special_tokens=False).ids
+            ids = (await asyncio.to_thread(tok.tok.encode, req.prompt, add_special_tokens=False)).ids
         return TokenizeResponse(count=len(ids), max_model_len=backend.max_model_len, tokens=ids,
                                 token_strs=[tok.token_text(t) for t in ids])
 
     @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest, request: Request) -> DetokenizeResponse:
-        check_auth(request)
+    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
         check_model(req.model)
         if any(not 0 <= t < tok.vocab_size for t in req.tokens):
             raise APIError(400, "token ids must be within the vocabulary", param="tokens")
-        return DetokenizeResponse(prompt=tok.decode(req.tokens))
+        return DetokenizeResponse(prompt=await asyncio.to_thread(tok.decode, req.tokens))
 
     @app.get("/tokenizer_info")
-    async def tokenizer_info(request: Request) -> dict[str, Any]:
+    async def tokenizer_info() -> dict[str, Any]:
         """vLLM's: what a client needs to tokenize as the server does (lm-eval's remote tokenizer)."""
-        check_auth(request)
         return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eos_token, "bos_token": tok.bos_token,
                 "pad_token": None, "model_max_length": backend.max_model_len, "vocab_size": tok.vocab_size}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        check_auth(request)
         check_model(req.model)
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
@@ -211,7 +228,7 @@ def build_openai_app(backend: Backend, served_name: str | list[str], metrics: Me
                 raise APIError(400, "only one prompt per request is supported", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = tok.encode(prompt)
+            ids = await asyncio.to_thread(tok.encode, prompt)  # off the event loop
         else:
             ids = list(prompt)
             if any(not 0 <= t < tok.vocab_size for t in ids):
@@ -220,10 +237,11 @@ def build_openai_app(backend: Backend, served_name: str | list[str], metrics: Me
             raise APIError(400, "the prompt is empty", param="prompt")
         params = sampling(req, len(ids))
         rid = make_id("cmpl")
-        echo = tok.decode(ids) if req.echo else None
+        echo = await asyncio.to_thread(tok.decode, ids) if req.echo else None
+        outputs = await _start(backend, rid, ids, params)
         if req.stream:
-            return _stream(request, rid, _completion_chunks(backend, rid, ids, params, req, echo))
-        result = await _collect(request, backend, rid, ids, params)
+            return _stream(request, rid, _completion_chunks(tok, outputs, rid, ids, req, echo))
+        result = await _collect(request, outputs, rid, ids)
         choices = [CompletionChoice(index=i, text=(echo or "") + c.text, finish_reason=c.finish_reason,
                                     logprobs=_completion_logprobs(tok, c, req.echo) if req.logprobs is not None
                                     else None)
@@ -233,21 +251,20 @@ def build_openai_app(backend: Backend, served_name: str | list[str], metrics: Me
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request):
-        check_auth(request)
         check_model(req.model)
         if not req.messages:
             raise APIError(400, "messages must not be empty", param="messages")
         try:
             msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
-            prompt = tok.apply_chat_template(msgs, req.add_generation_prompt)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
-        ids = tok.encode(prompt)
+        ids = await _render(tok, msgs, req.add_generation_prompt)
         params = sampling(req, len(ids))
         rid = make_id("chatcmpl")
+        outputs = await _start(backend, rid, ids, params)
         if req.stream:
-            return _stream(request, rid, _chat_chunks(backend, rid, ids, params, req))
-        result = await _collect(request, backend, rid, ids, params)
+            return _stream(request, rid, _chat_chunks(tok, outputs, rid, params, req))
+        result = await _collect(request, outputs, rid, ids)
         choices = [ChatChoice(index=i, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason,
                               logprobs=_chat_logprobs(tok, c.logprobs) if req.logprobs else None)
                    for i, c in enumerate(result.best(params))]
@@ -255,6 +272,15 @@ def build_openai_app(backend: Backend, served_name: str | list[str], metrics: Me
                                       choices=choices)
 
     return app
+
+
+async def _render(tok: TextTokenizer, msgs: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    """A conversation's prompt ids, rendered and tokenized in a thread: a long conversation must
+    not stall the event loop. A template that refuses the conversation is the client's 400."""
+    try:
+        return await asyncio.to_thread(lambda: tok.encode(tok.apply_chat_template(msgs, add_generation_prompt)))
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
 
 
 def _finish_reason(out: RequestOutput) -> str | None:
@@ -353,27 +379,70 @@ class _Result:
         return _usage(lasts[0], sum(o.completion_tokens for o in lasts))
 
 
-async def _collect(request: Request, backend: Backend, rid: str, ids: list[int], params: SamplingParams
-                   ) -> _Result:
+async def _admitted(backend: Backend, rid: str, ids: list[int], params: SamplingParams
+                    ) -> AsyncIterator[RequestOutput]:
+    ticket = backend.admit(len(ids), params.num_seqs)
+    try:
+        async for out in backend.generate(rid, ids, params):
+            yield out
+    finally:  # however it ends: finished, failed, or the client left
+        ticket.release()
+
+
+async def _start(backend: Backend, rid: str, ids: list[int], params: SamplingParams
+                 ) -> AsyncIterator[RequestOutput]:
+    """Admit the request and wait for its first output, so that what fails before any token
+    (overload, a bad request, no worker) gets its HTTP status instead of a 200 with an error event."""
+    gen = _admitted(backend, rid, ids, params)
+    try:
+        first = await anext(gen)
+    except (Overloaded, APIError):
+        raise
+    except (RequestError, GrammarError) as e:
+        raise APIError(400, str(e), param=e.param) from None
+    except Exception as e:  # noqa: BLE001 - the backend's failure, reported as the server's
+        log.warning("request %s failed: %s", rid, e)
+        raise APIError(503, f"generation failed: {e}", "server_error") from None
+
+    async def rest() -> AsyncIterator[RequestOutput]:
+        try:
+            yield first
+            async for out in gen:  # it ends after the last choice's last output
+                yield out
+        finally:
+            await gen.aclose()
+
+    return rest()
+
+
+async def _collect(request: Request, outputs: AsyncIterator[RequestOutput], rid: str, ids: list[int]) -> _Result:
     """Run a non-streaming request; abort it if the client goes away."""
     result = _Result({})
 
     async def run() -> None:
-        async for out in backend.generate(rid, ids, params):
-            result.choices.setdefault(out.index, _Choice(ids)).add(out)
-            if out.timing is not None:
-                result.timing = out.timing
+        try:
+            async for out in outputs:
+                result.choices.setdefault(out.index, _Choice(ids)).add(out)
+                if out.timing is not None:
+                    result.timing = out.timing
+        finally:
+            await outputs.aclose()  # aborts the request and gives its admission back
 
     task = asyncio.create_task(run())
+    left = False
     try:
         while not task.done():
             done, _ = await asyncio.wait({task}, timeout=0.5)
             if not done and await request.is_disconnected():
+                left = True
                 task.cancel()
                 break
         await task
     except asyncio.CancelledError:
-        raise
+        if not left:  # this handler itself is being cancelled (shutdown)
+            raise
+        # The client left and the request is aborted: answer no one, log no traceback.
+        raise APIError(499, "the client closed the request") from None
     except RequestError as e:
         raise APIError(400, str(e), param=e.param) from None
     except Exception as e:  # backend failure: report it as the server's fault
@@ -433,9 +502,8 @@ async def _events(outputs: AsyncIterator[RequestOutput], include_usage: bool,
     yield "data: [DONE]\n\n"
 
 
-def _completion_chunks(backend: Backend, rid: str, ids: list[int], params: SamplingParams,
+def _completion_chunks(tok: TextTokenizer, outputs: AsyncIterator[RequestOutput], rid: str, ids: list[int],
                        req: CompletionRequest, echo: str | None) -> AsyncIterator[str]:
-    tok = backend.tokenizer
     offsets: dict[int, int] = {}  # per choice: characters streamed so far (logprobs' text_offset)
 
     def chunk(out: RequestOutput | None, usage: Usage | None) -> CompletionResponse:
@@ -452,12 +520,11 @@ def _completion_chunks(backend: Backend, rid: str, ids: list[int], params: Sampl
         return CompletionResponse(id=rid, model=req.model, choices=choices, usage=usage,
                                   phasesplit_timing=out.timing if out is not None else None)
 
-    return _events(backend.generate(rid, ids, params), req.include_usage, chunk)
+    return _events(outputs, req.include_usage, chunk)
 
 
-async def _chat_chunks(backend: Backend, rid: str, ids: list[int], params: SamplingParams,
+async def _chat_chunks(tok: TextTokenizer, outputs: AsyncIterator[RequestOutput], rid: str, params: SamplingParams,
                        req: ChatCompletionRequest) -> AsyncIterator[str]:
-    tok = backend.tokenizer
 
     def chunk(out: RequestOutput | None, usage: Usage | None) -> ChatCompletionChunk:
         choices = []
@@ -470,5 +537,5 @@ async def _chat_chunks(backend: Backend, rid: str, ids: list[int], params: Sampl
 
     yield _sse(ChatCompletionChunk(id=rid, model=req.model, choices=[
         ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")) for i in range(params.n)]))
-    async for event in _events(backend.generate(rid, ids, params), req.include_usage, chunk):
+    async for event in _events(outputs, req.include_usage, chunk):
         yield event

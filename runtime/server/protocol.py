@@ -6,20 +6,41 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from phasesplit.runtime.engine.grammar import spec as grammar_spec
 from phasesplit.runtime.request import MAX_CHOICES, MAX_LOGPROBS, RequestError, SamplingParams
 
+# Fields of the OpenAI API this server does not implement, with the values that ask for nothing
+# (SDKs and tools send them at these): accepted at those values, refused otherwise. Any other
+# unknown field is refused too (extra="forbid"), naming it, never silently ignored.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "logit_bias": (None, {}),
+    "best_of": (None, 1),  # chat; completions implement it
+    "echo": (None, False),  # chat; completions implement it
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True, False),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "service_tier": (None, "auto", "default"),
+    "store": (None, False),
+    "metadata": (None, {}),
+    "repetition_penalty": (None, 1, 1.0),
+    "skip_special_tokens": (None, True),
+}
+MAX_MESSAGES = 1024
+
 
 class _Request(BaseModel):
-    # Unknown fields are accepted and ignored, as OpenAI-compatible servers do.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = Field(default=None, description="most tokens to generate")
-    temperature: float = 1.0
-    top_p: float = 1.0
+    # Finite numbers only; the ranges are SamplingParams.validate's (one definition).
+    temperature: float = Field(default=1.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, allow_inf_nan=False)
     n: int = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -36,12 +57,31 @@ class _Request(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # Validated in OpenAI's range; only 0 (off) is implemented.
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_neutral(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items()
+                    if k in cls.model_fields or k not in _NEUTRAL or not any(
+                        v == n and type(v) is type(n) for n in _NEUTRAL[k])}
+        return data
 
     @field_validator("n")
     @classmethod
     def _choices(cls, v: int) -> int:
         if not 1 <= v <= MAX_CHOICES:
             raise ValueError(f"must be between 1 and {MAX_CHOICES}")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float) -> float:
+        if v != 0:
+            raise ValueError("penalties are not implemented by this server; send 0 or leave it out")
         return v
 
     def guided(self) -> dict[str, str] | None:
@@ -73,12 +113,12 @@ class _Request(BaseModel):
 
     def sampling(self, default_max: int) -> SamplingParams:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        top_k = -1 if self.top_k == -1 else self.top_k
+        # top_k: -1 (vLLM) and 0 both mean off; anything below -1 is refused by validate().
         return SamplingParams(
             max_tokens=self.max_tokens if self.max_tokens is not None else default_max,
             temperature=self.temperature,
             top_p=self.top_p,
-            top_k=max(top_k, 0),
+            top_k=0 if self.top_k == -1 else self.top_k,
             seed=self.seed,
             stop=[s for s in stops if s],
             stop_token_ids=list(self.stop_token_ids or []),
@@ -108,8 +148,8 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: template inputs
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
 
     def text(self) -> str:
@@ -126,7 +166,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Request):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     logprobs: bool = False

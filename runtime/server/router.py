@@ -27,8 +27,8 @@ from phasesplit.runtime.disagg.messages import GenerateCall
 from phasesplit.runtime.engine.grammar import GrammarError, grammar_text
 from phasesplit.runtime.model.files import ModelFiles, model_info, read_config
 from phasesplit.runtime.model.tokenizer import TextTokenizer
-from phasesplit.runtime.request import RequestError, RequestOutput, SamplingParams
-from phasesplit.runtime.server.internal_auth import InternalAuth, headers
+from phasesplit.runtime.request import Overloaded, RequestError, RequestOutput, SamplingParams
+from phasesplit.runtime.server.admission import Admission, Ticket
 from phasesplit.runtime.server.metrics import Metrics
 from phasesplit.runtime.server.openai_api import build_openai_app, served_names
 from phasesplit.runtime.server.routing import Pool, Worker, pick_decode, rank_prefill
@@ -48,11 +48,26 @@ class RemoteBackend:
         self.decode.set_urls(list(args.decode_urls))
         self.prefill.set_urls(list(args.prefill_urls))
         self.rng = random.Random(0)
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=3.0), headers=headers(secret))
+        # Admission: per live decode worker, its running batch plus its queue, and its KV cache's
+        # tokens plus a backlog (the workers' own defaults, so the router refuses first).
+        self.per_worker = args.max_num_seqs + (args.max_queued_requests if args.max_queued_requests is not None
+                                               else 4 * args.max_num_seqs)
+        self.queued_tokens = args.max_queued_tokens
+        self.block_size = args.block_size
+        self.admission = Admission(self.per_worker, 0)
+        # Client streams and worker polls in separate pools, so polls never wait behind streams.
+        # The read timeout holds per chunk: a decode worker silent that long fails its requests.
+        internal = internal_secret.headers(secret)
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=3.0, read=args.worker_read_timeout, write=10.0, pool=10.0),
+            limits=httpx.Limits(max_connections=self.per_worker * max(4, len(args.decode_urls)),
+                                max_keepalive_connections=self.per_worker), headers=internal)
+        self.poll_client = httpx.AsyncClient(timeout=httpx.Timeout(2.0), limits=httpx.Limits(max_connections=32),
+                                             headers=internal)
         self.poll_interval = 0.5
 
     def check_request(self, prompt_len: int, params: SamplingParams) -> None:
-        params.validate()
+        params.validate(self.tokenizer.vocab_size)
         if prompt_len + params.max_tokens > self.max_model_len:
             raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens; the "
                                f"request has {prompt_len} prompt tokens plus max_tokens={params.max_tokens}",
@@ -63,6 +78,18 @@ class RemoteBackend:
             except GrammarError as e:
                 raise RequestError(str(e), e.param) from None
 
+    def capacity(self) -> int:
+        return self.per_worker * len(self.decode.live())
+
+    def admit(self, prompt_tokens: int, seqs: int = 1) -> Ticket:
+        live = self.decode.live()
+        if not live:
+            raise RuntimeError("no decode worker is available")
+        kv_tokens = [w.total_blocks * self.block_size for w in live]
+        max_tokens = sum(t + (self.queued_tokens if self.queued_tokens is not None else 4 * t) for t in kv_tokens)
+        return self.admission.admit(prompt_tokens, seqs, max_requests=self.per_worker * len(live),
+                                    max_tokens=max_tokens)
+
     async def poll_forever(self) -> None:
         while True:
             workers = list(self.decode.workers.values()) + list(self.prefill.workers.values())
@@ -71,7 +98,7 @@ class RemoteBackend:
 
     async def _poll(self, w: Worker) -> None:
         try:
-            r = await self.client.get(w.url + "/internal/state", timeout=2.0)
+            r = await self.poll_client.get(w.url + "/internal/state")
             if r.status_code == 503 and r.json().get("draining"):
                 if w.up:
                     log.info("worker %s is draining: no new requests go to it", w.url)
@@ -124,8 +151,11 @@ class RemoteBackend:
             async with self.client.stream("POST", worker.url + "/internal/generate", json=body) as r:
                 if r.status_code == 503:  # draining (a stale pick): nothing was started there
                     raise _Draining()
-                if r.status_code == 400:
+                if r.status_code in (400, 429):
                     err = json.loads(await r.aread()).get("error", {})
+                    if r.status_code == 429:
+                        raise Overloaded(err.get("message", "the decode worker is at capacity"),
+                                         int(r.headers.get("retry-after", "1")))
                     raise RequestError(err.get("message", "bad request"), err.get("param"))
                 if r.status_code != 200:
                     raise RuntimeError(f"decode worker {worker.url} answered HTTP {r.status_code}")
@@ -153,9 +183,13 @@ class RemoteBackend:
                         m.success.labels(**m.labels, finished_reason=out.finish_reason or "stop").inc()
                         return
             raise RuntimeError(f"decode worker {worker.url} closed the stream before the request finished")
+        except httpx.PoolTimeout:  # every connection to the workers is busy: the router is full
+            raise Overloaded("the router has no free connection to a decode worker; retry later") from None
         except httpx.HTTPError as e:
-            worker.up = False  # until the next successful poll
-            raise RuntimeError(f"decode worker {worker.url} failed: {e or type(e).__name__}") from None
+            # Dead, or hung past the read timeout: routed around until the next successful poll.
+            log.warning("decode worker %s failed: %s", worker.url, str(e) or type(e).__name__)
+            worker.up = False
+            raise RuntimeError(f"decode worker {worker.url} failed: {str(e) or type(e).__name__}") from None
 
 
 class _Draining(Exception):
@@ -249,9 +283,8 @@ def build_router_app(args: argparse.Namespace) -> FastAPI:
             return False, "no decode worker is up"
         return True, "ok"
 
-    api_key = os.environ.get(args.api_key_env) or None
-    app = build_openai_app(backend, names, metrics, ready, api_key=api_key)
-    app.add_middleware(InternalAuth, secret=secret)
+    app = build_openai_app(backend, names, metrics, ready, api_key=os.environ.get(args.api_key_env),
+                           secret=secret, max_body=args.max_body_bytes)
 
     @app.on_event("startup")
     async def _start() -> None:

@@ -5,7 +5,7 @@ Internal endpoints (not for clients), bodies in disagg/messages.py:
 - decode  POST /internal/generate  GenerateCall -> NDJSON lines of RequestOutput
 - prefill POST /internal/prefill   PrefillCall  -> PrefillDone
 Each checks its request once (pydantic, then engine.check_request): the one validation of this
-process. Both need the internal secret (server/internal_auth.py), and neither takes an address
+process. Both need the internal secret (server/guards.py), and neither takes an address
 to connect to from a request body on trust: a prefill worker sends K/V only to the address of
 the decode worker that called it, and a decode worker calls only prefill workers it knows
 (its --prefill-urls, or the addresses of its --prefill-service).
@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,25 +31,30 @@ from phasesplit.runtime.disagg.messages import GenerateCall, PrefillCall
 from phasesplit.runtime.disagg.prefill import PrefillConnector
 from phasesplit.runtime.kv.receiver import KVReceiver
 from phasesplit.runtime.kv.sender import TransferFailed
-from phasesplit.runtime.request import RequestError, RequestOutput
+from phasesplit.runtime.request import Overloaded, RequestError, RequestOutput
 from phasesplit.runtime.server.async_engine import AsyncEngine
-from phasesplit.runtime.server.internal_auth import InternalAuth
+from phasesplit.runtime.server.guards import Guards
 from phasesplit.runtime.server.openai_api import add_common_routes, install_error_handlers
 from phasesplit.runtime.server.protocol import error_body
-from phasesplit.runtime.server.worker import add_debug_routes, build_engine
+from phasesplit.runtime.server.worker import add_debug_routes, build_engine, worker_admission
 
 log = logging.getLogger(__name__)
+
+KEEPALIVE_S = 2.0  # seconds between empty NDJSON lines while a request waits for its next output
 
 
 def output_line(out: RequestOutput) -> bytes:
     return (json.dumps(out.to_dict()) + "\n").encode()
 
 
-def _worker_app(title: str, engine, metrics, aengine: AsyncEngine, secret: str) -> FastAPI:
+def _worker_app(title: str, engine, metrics, aengine: AsyncEngine, secret: str, args: argparse.Namespace
+                ) -> FastAPI:
     app = FastAPI(title=title, docs_url=None, redoc_url=None)
-    app.add_middleware(InternalAuth, secret=secret)
+    # No client routes here: /internal/* and /debug/* need the internal secret.
+    app.add_middleware(Guards, secret=secret, max_body=args.max_body_bytes,
+                       internal_prefixes=("/internal/", "/debug/"))
     install_error_handlers(app)
-    add_common_routes(app, metrics, ready=lambda: (aengine.error is None, str(aengine.error or "ok")))
+    add_common_routes(app, metrics, ready=aengine.alive, alive=aengine.alive)
     add_debug_routes(app, engine)
     return app
 
@@ -58,7 +65,7 @@ def build_prefill_app(args: argparse.Namespace) -> FastAPI:
     connector = PrefillConnector(engine.runner, args.prefill_timeout, secret)
     engine.connector = connector
     aengine = AsyncEngine(engine)
-    app = _worker_app("phasesplit prefill worker", engine, metrics, aengine, secret)
+    app = _worker_app("phasesplit prefill worker", engine, metrics, aengine, secret, args)
     app.router.on_shutdown.append(aengine.shutdown)
 
     @app.get("/internal/state")
@@ -99,7 +106,8 @@ def build_decode_app(args: argparse.Namespace) -> FastAPI:
                                 local_threshold=args.local_prefill_threshold, secret=secret)
     engine.connector = connector
     known = KnownPrefill(list(args.prefill_urls), args.prefill_service)
-    app = _worker_app("phasesplit decode worker", engine, metrics, aengine, secret)
+    app = _worker_app("phasesplit decode worker", engine, metrics, aengine, secret, args)
+    admission = worker_admission(args, engine)
 
     @app.on_event("startup")
     async def _bind_loop() -> None:
@@ -124,6 +132,11 @@ def build_decode_app(args: argparse.Namespace) -> FastAPI:
             return JSONResponse(error_body(str(e), param=e.param), status_code=400)
         # The router's ranking, restricted to prefill workers this worker knows.
         urls = await known.filter(call.prefill_urls) or list(args.prefill_urls)
+        try:
+            ticket = admission.admit(len(call.prompt_ids), call.params.num_seqs)
+        except Overloaded as e:  # the router relays it to its client as a 429
+            return JSONResponse(error_body(str(e), "requests", code="rate_limit_exceeded"), status_code=429,
+                                headers={"Retry-After": str(e.retry_after)})
         if urls:
             connector.route(call.request_id, urls)
         else:
@@ -131,17 +144,35 @@ def build_decode_app(args: argparse.Namespace) -> FastAPI:
 
         async def lines() -> AsyncIterator[bytes]:
             outputs = aengine.generate(call.request_id, call.prompt_ids, call.params, remote=bool(urls))
+            pending: asyncio.Future | None = None
             try:
-                async for out in outputs:
+                while True:
+                    pending = asyncio.ensure_future(anext(outputs))
+                    while not (await asyncio.wait({pending}, timeout=KEEPALIVE_S))[0]:
+                        # Queued is not hung: an empty line keeps the router's per-chunk read
+                        # timeout for workers that stop answering altogether.
+                        yield b"\n"
+                    try:
+                        out = pending.result()
+                    except StopAsyncIteration:
+                        break
                     yield output_line(out)
             except Exception as e:  # noqa: BLE001 - the router turns this into an error event
                 yield (json.dumps({"error": str(e)}) + "\n").encode()
             finally:
+                if pending is not None and not pending.done():
+                    pending.cancel()  # the client left: the generator's abort runs
+                    with contextlib.suppress(BaseException):
+                        await pending
                 # The abort reaches the engine, which stops the transfer (connector.release) and
                 # frees the blocks, or leaves them to the connector while a frame lands in them.
                 connector.forget(call.request_id)
                 await outputs.aclose()
+                ticket.release()
 
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
+        body = lines()
+        # A stream cut before its first chunk never runs lines()'s finally: give the slot back then.
+        weakref.finalize(body, ticket.release)
+        return StreamingResponse(body, media_type="application/x-ndjson")
 
     return app

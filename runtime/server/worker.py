@@ -11,6 +11,7 @@ from fastapi import FastAPI
 
 from phasesplit.runtime.engine.engine import EngineConfig, LLMEngine
 from phasesplit.runtime.engine.model_runner import RunnerConfig
+from phasesplit.runtime.server.admission import Admission
 from phasesplit.runtime.server.async_engine import AsyncEngine, LocalBackend
 from phasesplit.runtime.server.metrics import EngineMetrics, Metrics
 from phasesplit.runtime.server.openai_api import build_openai_app, served_names
@@ -42,6 +43,21 @@ def build_engine(args: argparse.Namespace, phase: str) -> tuple[LLMEngine, Metri
     return engine, metrics, name
 
 
+def worker_admission(args: argparse.Namespace, engine: LLMEngine) -> Admission:
+    """The worker's limits: its running batch plus a bounded queue (default 4 batches), and the
+    prompt tokens its KV cache holds plus a bounded backlog (default 4 caches)."""
+    kv_tokens = engine.blocks.num_blocks * engine.blocks.block_size
+    queued = args.max_queued_requests if args.max_queued_requests is not None else 4 * args.max_num_seqs
+    queued_tokens = args.max_queued_tokens if args.max_queued_tokens is not None else 4 * kv_tokens
+    return Admission(max_requests=args.max_num_seqs + queued, max_tokens=kv_tokens + queued_tokens)
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key clients must send; None: no auth. Set but empty is an error (Guards refuses it)
+    rather than a silent open door."""
+    return os.environ.get(args.api_key_env)
+
+
 def add_debug_routes(app: FastAPI, engine: LLMEngine) -> None:
     @app.get("/debug/state")
     async def state() -> dict:
@@ -52,9 +68,9 @@ def add_debug_routes(app: FastAPI, engine: LLMEngine) -> None:
 def build_colocated_app(args: argparse.Namespace) -> FastAPI:
     engine, metrics, name = build_engine(args, "both")
     aengine = AsyncEngine(engine)
-    api_key = os.environ.get(args.api_key_env) or None
-    app = build_openai_app(LocalBackend(aengine), served_names(args, engine.model_name), metrics,
-                           ready=lambda: (aengine.error is None, str(aengine.error or "ok")), api_key=api_key)
+    app = build_openai_app(LocalBackend(aengine, worker_admission(args, engine)), served_names(args, engine.model_name),
+                           metrics, ready=aengine.alive, api_key=api_key(args), alive=aengine.alive,
+                           max_body=args.max_body_bytes)
     add_debug_routes(app, engine)
     app.router.on_shutdown.append(aengine.shutdown)
     return app

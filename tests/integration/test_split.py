@@ -72,7 +72,7 @@ def texts(url: str, prompts: list[list[int]], parallel: int) -> list[str]:
 
 
 def state(url: str) -> dict:
-    return httpx.get(url + "/debug/state", timeout=5).json()
+    return httpx.get(url + "/debug/state", headers=INTERNAL, timeout=5).json()
 
 
 def wait_no_blocks(url: str, timeout: float = 20) -> dict:
@@ -283,6 +283,29 @@ def test_reservation_is_held_while_a_frame_lands():
     out = engine.step()  # computes its prompt here now
     assert out and out[0].request_id == "b"
     engine.abort("b")
+    assert engine.blocks.num_allocated == 0
+
+
+def test_remote_reservations_count_against_max_num_seqs():
+    """A decode worker reserves blocks for remote prefills only while its batch has room: with
+    --max-num-seqs 2, a third remote request waits unreserved (no K/V is sent for it) until one
+    of the first two ends."""
+    from phasesplit.runtime.engine.engine import EngineConfig, LLMEngine
+    from phasesplit.runtime.engine.model_runner import RunnerConfig
+    from phasesplit.runtime.request import SamplingParams
+
+    engine = LLMEngine("smollm2", EngineConfig(max_num_seqs=2,
+                                               runner=RunnerConfig(dtype="float32", kv_cache_memory=16 << 20)))
+    seqs = [engine.add_request(r, list(range(1, 40)), SamplingParams(max_tokens=4), remote=True) for r in "abc"]
+    assert [bool(s.block_table) for s in seqs] == [True, True, False]
+    engine.remote_prefilled("a", 5)  # a joins the batch: still two in it (a running, b reserved)
+    engine.step()
+    assert not seqs[2].block_table
+    engine.abort("b")
+    engine.step()
+    assert seqs[2].block_table, "reserved once a place in the batch was free"
+    for r in "ac":
+        engine.abort(r)
     assert engine.blocks.num_allocated == 0
 
 
