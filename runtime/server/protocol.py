@@ -211,15 +211,21 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
 
 
-class CompletionResponse(BaseModel):
+class _Envelope(BaseModel):
+    """What every completion response and stream chunk carries, in OpenAI's field order."""
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int = Field(default_factory=now)
     model: str
-    choices: list[CompletionChoice]
+    choices: list[Any]
     usage: Usage | None = None
     # Extension: seconds queued / in prefill / in KV transfer / decoding, on the last chunk only.
     phasesplit_timing: dict[str, float] | None = None
+
+
+class CompletionResponse(_Envelope):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class ChatResponseMessage(BaseModel):
@@ -248,14 +254,9 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Envelope):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=now)
-    model: str
     choices: list[ChatChoice]
-    usage: Usage | None = None
-    phasesplit_timing: dict[str, float] | None = None
 
 
 class ChatDelta(BaseModel):
@@ -270,14 +271,9 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Envelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=now)
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    phasesplit_timing: dict[str, float] | None = None
 
 
 class ModelCard(BaseModel):
