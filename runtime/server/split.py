@@ -9,6 +9,11 @@ process. Both need the internal secret (server/internal_auth.py), and neither ta
 to connect to from a request body on trust: a prefill worker sends K/V only to the address of
 the decode worker that called it, and a decode worker calls only prefill workers it knows
 (its --prefill-urls, or the addresses of its --prefill-service).
+
+Version coherence (a rollout runs two revisions side by side): each worker reports its --revision
+in /internal/state, the router pairs a decode worker only with prefill workers of its revision
+(server/routing.py), a prefill worker refuses a call from a decode worker of another revision
+(409), and the KV handshake refuses a link between caches of different layouts (kv/handshake.py).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from phasesplit.runtime import internal_secret
 from phasesplit.runtime.disagg.decode import DecodeConnector, KnownPrefill
 from phasesplit.runtime.disagg.messages import GenerateCall, PrefillCall
 from phasesplit.runtime.disagg.prefill import PrefillConnector
+from phasesplit.runtime.kv import handshake
 from phasesplit.runtime.kv.receiver import KVReceiver
 from phasesplit.runtime.kv.sender import TransferFailed
 from phasesplit.runtime.request import RequestError, RequestOutput
@@ -43,6 +49,14 @@ def output_line(out: RequestOutput) -> bytes:
     return (json.dumps(out.to_dict()) + "\n").encode()
 
 
+def kv_layout(engine) -> str:
+    """This worker's K/V layout fingerprint: the model, dtype, block size and cache geometry."""
+    r = engine.runner
+    _, layers, _, kv_heads, head_dim = r.kv_cache.shape  # [2, layers, slots, kv_heads, head_dim]
+    return handshake.fingerprint(engine.model_name, str(r.dtype).removeprefix("torch."), r.block_size,
+                                 layers, kv_heads, head_dim)
+
+
 def _worker_app(title: str, engine, metrics, aengine: AsyncEngine, secret: str) -> FastAPI:
     app = FastAPI(title=title, docs_url=None, redoc_url=None)
     app.add_middleware(InternalAuth, secret=secret)
@@ -55,7 +69,8 @@ def _worker_app(title: str, engine, metrics, aengine: AsyncEngine, secret: str) 
 def build_prefill_app(args: argparse.Namespace) -> FastAPI:
     secret = internal_secret.load()
     engine, metrics, name = build_engine(args, "prefill")
-    connector = PrefillConnector(engine.runner, args.prefill_timeout, secret)
+    layout = kv_layout(engine)
+    connector = PrefillConnector(engine.runner, args.prefill_timeout, secret, layout)
     engine.connector = connector
     aengine = AsyncEngine(engine)
     app = _worker_app("phasesplit prefill worker", engine, metrics, aengine, secret)
@@ -63,7 +78,7 @@ def build_prefill_app(args: argparse.Namespace) -> FastAPI:
 
     @app.get("/internal/state")
     async def state() -> dict[str, Any]:
-        return engine.state()
+        return {**engine.state(), "revision": args.revision, "kv_layout": layout}
 
     @app.post("/internal/prefill")
     async def prefill(call: PrefillCall, request: Request) -> JSONResponse:
@@ -71,6 +86,10 @@ def build_prefill_app(args: argparse.Namespace) -> FastAPI:
         if call.kv_host != caller:  # K/V goes back to the caller, never to an address in a body
             return JSONResponse(error_body(f"kv_host {call.kv_host!r} is not the caller's address {caller!r}",
                                            param="kv_host"), status_code=403)
+        if call.revision != args.revision:  # a pairing the router never makes; a stale or foreign caller
+            return JSONResponse(error_body(f"revision mismatch: this prefill worker is revision {args.revision!r}, "
+                                           f"the decode worker {call.revision!r}", param="revision"),
+                                status_code=409)
         try:
             engine.check_request(len(call.prompt_ids), call.params)
         except RequestError as e:
@@ -91,12 +110,14 @@ def build_decode_app(args: argparse.Namespace) -> FastAPI:
     secret = internal_secret.load()
     engine, metrics, name = build_engine(args, "decode")
     kv_host = args.kv_host or args.host
+    layout = kv_layout(engine)
     receiver = KVReceiver(args.host if args.host != "0.0.0.0" else "", args.kv_port, engine.runner.kv_cache,
-                          secret, vocab_size=engine.runner.cfg.vocab_size)
+                          secret, vocab_size=engine.runner.cfg.vocab_size, layout=layout)
     aengine = AsyncEngine(engine)
     connector = DecodeConnector(aengine, receiver, metrics, kv_host=kv_host, prefill_urls=list(args.prefill_urls),
                                 policy=args.on_prefill_failure, timeout=args.prefill_timeout,
-                                local_threshold=args.local_prefill_threshold, secret=secret)
+                                local_threshold=args.local_prefill_threshold, secret=secret,
+                                revision=args.revision)
     engine.connector = connector
     known = KnownPrefill(list(args.prefill_urls), args.prefill_service)
     app = _worker_app("phasesplit decode worker", engine, metrics, aengine, secret)
@@ -114,7 +135,8 @@ def build_decode_app(args: argparse.Namespace) -> FastAPI:
     @app.get("/internal/state")
     async def state() -> dict[str, Any]:
         return {**engine.state(), "kv_port": receiver.port, "kv_rejected": receiver.rejected,
-                "kv_refused": receiver.refused, "kv_connections": receiver.connections}
+                "kv_refused": receiver.refused, "kv_mismatched": receiver.mismatched,
+                "kv_connections": receiver.connections, "revision": args.revision, "kv_layout": layout}
 
     @app.post("/internal/generate")
     async def generate(call: GenerateCall, request: Request):
