@@ -51,10 +51,11 @@ def output_line(out: RequestOutput) -> bytes:
 
 def kv_layout(engine) -> str:
     """This worker's K/V layout fingerprint: the model, dtype, block size and cache geometry."""
-    r = engine.runner
-    _, layers, _, kv_heads, head_dim = r.kv_cache.shape  # [2, layers, slots, kv_heads, head_dim]
+    r, c = engine.runner, engine.runner.cfg
+    # The model's geometry, not this cache's: a tensor-parallel rank holds a share of the KV heads
+    # but exchanges all of them, so TP and non-TP workers of one model interoperate.
     return handshake.fingerprint(engine.model_name, str(r.dtype).removeprefix("torch."), r.block_size,
-                                 layers, kv_heads, head_dim)
+                                 c.num_layers, c.num_kv_heads, c.head_dim)
 
 
 def _worker_app(title: str, engine, metrics, aengine: AsyncEngine, secret: str) -> FastAPI:
