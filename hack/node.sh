@@ -265,9 +265,9 @@ up() {
     [[ $c == /* && -x $c ]] || command -v "$c" >/dev/null \
       || die "$c is missing (hack/setup.d/55-node-packages.sh installs it)"
   done
-  local bin t0 pause_tar
+  local bin t0
   bin=$(bash "$root/hack/kube-tools.sh" node | tail -n 1)
-  pause_tar=$(bash "$root/hack/images.sh" pause | tail -n 1 | cut -d' ' -f3)
+  bash "$root/hack/images.sh" pause >/dev/null  # built (or found cached) before anything starts
   t0=$(date +%s.%N)
 
   mkdir -p "$nstate"/{pids,logs,pki,pod-logs,kubelet}
@@ -296,7 +296,7 @@ up() {
 
   start containerd containerd --config "$nstate/containerd/config.toml"
   wait_for containerd 30 containerd ctr_ version
-  ctr_ images import "$pause_tar" >/dev/null
+  PHASESPLIT_CLUSTER_DIR=$cstate bash "$root/hack/images.sh" --import pause >/dev/null
   apiserver_relay
 
   start kubelet "$bin/kubelet" --config="$nstate/kubelet.yaml" --kubeconfig="$nstate/kubelet.kubeconfig" \

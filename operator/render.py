@@ -7,6 +7,8 @@ rolls) and what lets the unit tests check every field without a cluster.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,6 +24,8 @@ APP_NAME = "phasesplit"
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+# On prefill and decode pods (not in any selector): which workers may exchange K/V (revision()).
+REVISION_LABEL = "phasesplit.io/revision"
 OPERATOR_POD_LABELS = {"app.kubernetes.io/name": APP_NAME, COMPONENT_LABEL: "operator"}
 API_KEY_ENV = "PHASESPLIT_API_KEY"
 MODEL_MOUNT = "/models"
@@ -137,6 +141,20 @@ def model_arg(spec: api.InferenceServiceSpec) -> str:
     return f"{MODEL_MOUNT}/{path}".rstrip("/")
 
 
+def revision(spec: api.InferenceServiceSpec) -> str:
+    """A hash of everything that decides whether a prefill worker's K/V means the same to a
+    decode worker: the model source, the image (the code that computes and lays out K/V), the
+    device and dtype (auto resolves per device), the block size, and the free-form args (any of
+    which may change the layout; the operator cannot tell which do). The router pairs a decode
+    worker only with prefill workers of the same revision, so that during a rollout old and new
+    pairs serve side by side and no request mixes them. The served name, resources, replicas and
+    placement are left out: changing them moves no K/V."""
+    rt = spec.runtime
+    kv_relevant = {"model": {k: v for k, v in spec.model.wire().items() if k != "name"}, "image": rt.image,
+                   "device": rt.device, "dtype": rt.dtype, "blockSize": rt.block_size, "args": list(rt.args)}
+    return hashlib.sha256(json.dumps(kv_relevant, sort_keys=True).encode()).hexdigest()[:12]
+
+
 _FAILURE_POLICY = {"Retry": "retry", "Local": "local", "Fail": "fail", "RetryLocal": "retry-local"}
 
 
@@ -150,6 +168,7 @@ def container_args(owner: Owner, spec: api.InferenceServiceSpec, component: str)
         args.append(f"--max-model-len={rt.max_model_len}")
     if component in api.PHASES:
         phase = spec.phase(component)
+        args.append(f"--revision={revision(spec)}")
         if rt.kv_cache_memory:
             args.append(f"--kv-cache-memory={rt.kv_cache_memory}")
         if phase.max_num_seqs:
@@ -293,9 +312,12 @@ def pod_template(owner: Owner, spec: api.InferenceServiceSpec, component: str) -
         pod["tolerations"] = [t.wire() for t in placement.tolerations]
     if placement.affinity:
         pod["affinity"] = placement.affinity
+    pod_labels = labels(owner, component)
+    if component in api.PHASES:
+        pod_labels[REVISION_LABEL] = revision(spec)
     return {
         "metadata": {
-            "labels": labels(owner, component),
+            "labels": pod_labels,
             "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(api.HTTP_PORT),
                             "prometheus.io/path": "/metrics"},
         },

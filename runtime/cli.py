@@ -123,6 +123,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="decode worker: prompts of at most this many uncached tokens are prefilled locally")
     g.add_argument("--drain-timeout", type=parse_seconds, default=300.0,
                    help="on SIGTERM: how long to let requests in flight finish before exiting")
+    g.add_argument("--revision", default="",
+                   help="prefill/decode worker: its revision (the operator's hash of model, dtype, block size, "
+                        "image and args); the router pairs a decode worker only with prefill workers of the same one")
     g.add_argument("--api-key-env", default="PHASESPLIT_API_KEY",
                    help="router/colocated: env var holding the API key clients must send (unset: no auth; "
                         "set but empty: refuses to start)")

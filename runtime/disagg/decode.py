@@ -111,10 +111,11 @@ class DecodeConnector(KVConnector):
     """Runs the remote prefill of reserved requests and applies the failure policy."""
 
     def __init__(self, aengine: AsyncEngine, receiver: KVReceiver, metrics: Metrics, *, kv_host: str,
-                 prefill_urls: list[str], policy: str, timeout: float, local_threshold: int, secret: str) -> None:
+                 prefill_urls: list[str], policy: str, timeout: float, local_threshold: int, secret: str,
+                 revision: str = "") -> None:
         self.aengine, self.receiver, self.metrics = aengine, receiver, metrics
         self.kv_host, self.prefill_urls, self.policy, self.timeout = kv_host, prefill_urls, policy, timeout
-        self.local_threshold = local_threshold
+        self.local_threshold, self.revision = local_threshold, revision
         self.loop: asyncio.AbstractEventLoop | None = None  # bound at start-up
         self.routes: dict[str, list[str]] = {}  # request -> prefill candidates the router ranked
         self.lock = threading.Lock()
@@ -236,7 +237,7 @@ class DecodeConnector(KVConnector):
             self.receiver.expect(tid, t.slots, t.skip, on_done, on_fail, landing)
             t.tid = tid
         call = PrefillCall(request_id=rid, prompt_ids=t.prompt, params=t.params, kv_host=self.kv_host,
-                           kv_port=self.receiver.port, transfer_id=tid, skip=t.skip)
+                           kv_port=self.receiver.port, transfer_id=tid, skip=t.skip, revision=self.revision)
         try:
             # asyncio.wait_for, not asyncio.timeout: the runtime supports Python 3.10.
             reply = await asyncio.wait_for(self._call_and_wait(url, call, done), self.timeout)

@@ -31,6 +31,7 @@ class PrefillCall(BaseModel):
     kv_port: int
     transfer_id: int
     skip: int = 0  # prompt positions the decode worker holds already (its prefix cache)
+    revision: str = ""  # the calling decode worker's: a prefill worker of another revision refuses
 
 
 class PrefillDone(BaseModel):

@@ -34,8 +34,8 @@ class _Outgoing:
 class PrefillConnector(KVConnector):
     """Streams the K/V each step computes for requests with a transfer, layer by layer."""
 
-    def __init__(self, runner: ModelRunner, timeout: float, secret: str) -> None:
-        self.runner, self.timeout, self.secret = runner, timeout, secret
+    def __init__(self, runner: ModelRunner, timeout: float, secret: str, layout: str) -> None:
+        self.runner, self.timeout, self.secret, self.layout = runner, timeout, secret, layout
         self.outgoing: dict[str, _Outgoing] = {}  # engine request id -> transfer (event loop writes)
         self._items: list[tuple[Sequence, int, int, KVSender]] = []  # this step's (seq, lo, hi, sender)
 
@@ -66,7 +66,8 @@ class PrefillConnector(KVConnector):
     async def prefill(self, aengine: AsyncEngine, call: PrefillCall) -> PrefillDone:
         """Run one checked call to the end of its transfer. Raises TransferFailed or RuntimeError."""
         t0 = time.monotonic()
-        sender = KVSender((call.kv_host, call.kv_port), call.transfer_id, self.secret, timeout=self.timeout)
+        sender = KVSender((call.kv_host, call.kv_port), call.transfer_id, self.secret, self.layout,
+                          timeout=self.timeout)
         rid = f"{call.request_id}/{call.transfer_id}"
         self.outgoing[rid] = _Outgoing(sender, call.skip)
         first: int | None = None

@@ -21,7 +21,9 @@ head (whatever the prefill worker's TP size): its transfers land in a per-transf
 head once the transfer is done (ModelRunner.write_kv).
 
 Hostile peers: a connection must first pass the internal-secret handshake (kv/handshake.py)
-within HANDSHAKE_TIMEOUT, before any frame is read; at most `max_connections` are open at once
+within HANDSHAKE_TIMEOUT, before any frame is read, and its sender must compute K/V of this
+cache's layout (the handshake's fingerprint: another model or block size is refused there, by
+name, where frame checks could not tell); at most `max_connections` are open at once
 (more are closed on accept); a link idle for `idle_timeout` between frames is closed (the sender
 reconnects quietly). A frame's header, its transfer and its place in the reservation are checked
 before any byte of its payload is read or any buffer is allocated for it, and the DONE frame's
@@ -96,10 +98,12 @@ class Expected:
 
 
 class KVReceiver:
-    def __init__(self, host: str, port: int, kv_cache: torch.Tensor, secret: str, *, vocab_size: int,
+    def __init__(self, host: str, port: int, kv_cache: torch.Tensor, secret: str, *, vocab_size: int, layout: str,
                  max_connections: int = MAX_CONNECTIONS, idle_timeout: float = IDLE_TIMEOUT,
                  handshake_timeout: float = HANDSHAKE_TIMEOUT) -> None:
-        self.secret, self.vocab_size = secret, vocab_size
+        """layout: this cache's handshake.fingerprint; senders must present the same."""
+        self.secret, self.vocab_size, self.layout = secret, vocab_size, layout
+        self.mismatched = 0  # connections refused for another K/V layout
         self.max_connections, self.idle_timeout, self.handshake_timeout = max_connections, idle_timeout, handshake_timeout
         self.connections = 0  # open now (authenticated or in the handshake)
         self.refused = 0  # connections closed unauthenticated or over the cap
@@ -203,10 +207,11 @@ class KVReceiver:
         try:
             with conn:
                 try:
-                    handshake.accept(conn, self.secret)
+                    handshake.accept(conn, self.secret, self.layout)
                 except (handshake.HandshakeError, OSError) as e:
                     with self.lock:
                         self.refused += 1
+                        self.mismatched += isinstance(e, handshake.LayoutMismatch)
                     log.warning("KV connection from %s refused: %s", peer, e)
                     return
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(STALL_TIMEOUT))

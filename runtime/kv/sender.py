@@ -8,7 +8,9 @@ every transfer to that worker: a transfer then starts sending at once, instead o
 connect, an accept and two thread starts (measured at 2-4 ms of a 20 ms 2048-token transfer on
 the 2-core machine). Frames of different transfers may interleave on a link; each frame names
 its transfer, and the receiver checks order per transfer and layer. Each new connection first
-passes the internal-secret handshake (kv/handshake.py), both ways, before any K/V is sent.
+passes the internal-secret handshake (kv/handshake.py), both ways, before any K/V is sent, and
+the handshake refuses a receiver whose cache has another layout (model, dtype, block size,
+geometry) than the one this worker computes.
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ class TransferFailed(RuntimeError):
 class KVSender:
     """One transfer: queue its layers, then `finish` with the first token and `wait` for the ACK."""
 
-    def __init__(self, address: tuple[str, int], transfer_id: int, secret: str, timeout: float = 30.0) -> None:
+    def __init__(self, address: tuple[str, int], transfer_id: int, secret: str, layout: str,
+                 timeout: float = 30.0) -> None:
+        """layout: this worker's handshake.fingerprint, which the receiver's must equal."""
         self.address, self.transfer_id, self.timeout = address, transfer_id, timeout
         self.bytes = 0
         self.error: BaseException | None = None
         self.done = threading.Event()
-        self.link = _Link.get(address, timeout, secret)
+        self.link = _Link.get(address, timeout, secret, layout)
 
     def send_layer(self, layer: int, token_start: int, kv: torch.Tensor) -> None:
         """kv: [2, tokens, kv_heads, head_dim] on CPU, owned by the sender from now on."""
@@ -72,15 +76,15 @@ class _Link:
     _links_lock = threading.Lock()
 
     @classmethod
-    def get(cls, address: tuple[str, int], timeout: float, secret: str) -> _Link:
+    def get(cls, address: tuple[str, int], timeout: float, secret: str, layout: str) -> _Link:
         with cls._links_lock:
             link = cls._links.get(address)
-            if link is None or link.secret != secret:
-                link = cls._links[address] = cls(address, timeout, secret)
+            if link is None or (link.secret, link.layout) != (secret, layout):
+                link = cls._links[address] = cls(address, timeout, secret, layout)
             return link
 
-    def __init__(self, address: tuple[str, int], timeout: float, secret: str) -> None:
-        self.address, self.timeout, self.secret = address, timeout, secret
+    def __init__(self, address: tuple[str, int], timeout: float, secret: str, layout: str) -> None:
+        self.address, self.timeout, self.secret, self.layout = address, timeout, secret, layout
         self.q: queue.SimpleQueue[tuple[KVSender, tuple]] = queue.SimpleQueue()
         self.sock: socket.socket | None = None
         self.active: set[KVSender] = set()  # transfers with frames on the current connection
@@ -92,7 +96,7 @@ class _Link:
         if self.sock is None:
             sock = socket.create_connection(self.address, timeout=self.timeout)
             try:
-                handshake.connect(sock, self.secret)
+                handshake.connect(sock, self.secret, self.layout)
             except BaseException:
                 sock.close()
                 raise

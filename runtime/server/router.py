@@ -117,12 +117,14 @@ class RemoteBackend:
         w.free_blocks, w.total_blocks = s["free_blocks"], s["total_blocks"]
         w.running, w.waiting, w.waiting_tokens = s["running"], s["waiting"], s["waiting_tokens"]
         w.queued_tokens = s["queued_tokens"]
+        w.revision = s.get("revision", "")
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
                        ) -> AsyncIterator[RequestOutput]:
         tried: set[str] = set()
         while True:
-            worker = pick_decode(self.decode, exclude=tried)
+            worker = pick_decode(self.decode, exclude=tried,
+                                 prefill_revisions={w.revision for w in self.prefill.live()})
             if worker is None:
                 raise RuntimeError("no decode worker is available")
             tried.add(worker.url)
@@ -136,7 +138,7 @@ class RemoteBackend:
 
     async def _generate_on(self, worker: Worker, request_id: str, prompt_ids: list[int], params: SamplingParams
                            ) -> AsyncIterator[RequestOutput]:
-        prefill = rank_prefill(self.prefill, self.rng, prompt_ids)
+        prefill = rank_prefill(self.prefill, self.rng, prompt_ids, revision=worker.revision)
         if prefill:
             prefill[0].waiting_tokens += len(prompt_ids)
             prefill[0].queued_tokens += len(prompt_ids)

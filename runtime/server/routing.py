@@ -2,6 +2,12 @@
 
 The router (router.py) keeps the pools current (polling /internal/state, Kubernetes discovery)
 and calls these with what it last saw.
+
+Pairing is version-coherent: every worker reports its revision (the operator's hash of what
+decides whether two workers' K/V are interchangeable: model, dtype, block size, image, args;
+render.revision), and a decode worker is only ever given prefill workers of its own revision.
+During a rollout old and new pairs serve side by side; a decode worker whose revision has no
+live prefill worker left prefills locally (it is given none), and one that has is preferred.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ class Worker:
     queued_tokens: int = 0  # prompt tokens still to prefill, part-way prompts included
     inflight: int = 0  # requests this router sent since the last poll: keeps picks spread out
     last_seen: float = 0.0
+    revision: str = ""  # the worker's --revision ("" where none was given: pairs with "" only)
 
 
 @dataclass
@@ -46,10 +53,16 @@ class Pool:
         return [w for w in self.workers.values() if w.up]
 
 
-def pick_decode(pool: Pool, exclude: set[str] | frozenset[str] = frozenset()) -> Worker | None:
+def pick_decode(pool: Pool, exclude: set[str] | frozenset[str] = frozenset(),
+                prefill_revisions: set[str] | frozenset[str] | None = None) -> Worker | None:
     """The live decode worker with the most free KV blocks (then the fewest requests), skipping
-    `exclude` (workers that just refused this request)."""
+    `exclude` (workers that just refused this request). With `prefill_revisions` (the revisions
+    of the live prefill workers), decode workers that have a prefill peer of their own revision
+    come first: in a rollout, an old decode worker whose prefill pool is gone would prefill
+    every prompt itself."""
     live = [w for w in pool.live() if w.url not in exclude]
+    if prefill_revisions:
+        live = [w for w in live if w.revision in prefill_revisions] or live
     if not live:
         return None
     return max(live, key=lambda w: (w.free_blocks, -(w.running + w.inflight)))
@@ -59,8 +72,9 @@ AFFINITY_SLACK_TOKENS = 2048  # how much longer a queue may be and still win on 
 
 
 def rank_prefill(pool: Pool, rng: random.Random, prompt: list[int] | None = None,
-                 block_size: int = 16) -> list[Worker]:
-    """Best prefill worker first, the rest as fallbacks.
+                 block_size: int = 16, revision: str | None = None) -> list[Worker]:
+    """Best prefill worker first, the rest as fallbacks; with `revision` (the chosen decode
+    worker's), only workers of that revision: never a pair whose K/V may not fit.
 
     Prompts that share their first block go to the same worker (rendezvous hashing), where its
     prefix cache likely holds them, unless that worker's queue is much longer than the shortest;
@@ -71,7 +85,7 @@ def rank_prefill(pool: Pool, rng: random.Random, prompt: list[int] | None = None
     random choices left queues uneven enough to cost a sixth of the prefill pool at the same
     TTFT in the simulator (docs/autoscaling.md).
     """
-    live = pool.live()
+    live = [w for w in pool.live() if revision is None or w.revision == revision]
     if len(live) <= 1:
         return live
     shortest = min(w.queued_tokens for w in live)

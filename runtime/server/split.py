@@ -9,6 +9,11 @@ process. Both need the internal secret (server/guards.py), and neither takes an 
 to connect to from a request body on trust: a prefill worker sends K/V only to the address of
 the decode worker that called it, and a decode worker calls only prefill workers it knows
 (its --prefill-urls, or the addresses of its --prefill-service).
+
+Version coherence (a rollout runs two revisions side by side): each worker reports its --revision
+in /internal/state, the router pairs a decode worker only with prefill workers of its revision
+(server/routing.py), a prefill worker refuses a call from a decode worker of another revision
+(409), and the KV handshake refuses a link between caches of different layouts (kv/handshake.py).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from phasesplit.runtime import internal_secret
 from phasesplit.runtime.disagg.decode import DecodeConnector, KnownPrefill
 from phasesplit.runtime.disagg.messages import GenerateCall, PrefillCall
 from phasesplit.runtime.disagg.prefill import PrefillConnector
+from phasesplit.runtime.kv import handshake
 from phasesplit.runtime.kv.receiver import KVReceiver
 from phasesplit.runtime.kv.sender import TransferFailed
 from phasesplit.runtime.request import Overloaded, RequestError, RequestOutput
@@ -47,6 +53,15 @@ def output_line(out: RequestOutput) -> bytes:
     return (json.dumps(out.to_dict()) + "\n").encode()
 
 
+def kv_layout(engine) -> str:
+    """This worker's K/V layout fingerprint: the model, dtype, block size and cache geometry."""
+    r, c = engine.runner, engine.runner.cfg
+    # The model's geometry, not this cache's: a tensor-parallel rank holds a share of the KV heads
+    # but exchanges all of them, so TP and non-TP workers of one model interoperate.
+    return handshake.fingerprint(engine.model_name, str(r.dtype).removeprefix("torch."), r.block_size,
+                                 c.num_layers, c.num_kv_heads, c.head_dim)
+
+
 def _worker_app(title: str, engine, metrics, aengine: AsyncEngine, secret: str, args: argparse.Namespace
                 ) -> FastAPI:
     app = FastAPI(title=title, docs_url=None, redoc_url=None)
@@ -62,7 +77,8 @@ def _worker_app(title: str, engine, metrics, aengine: AsyncEngine, secret: str, 
 def build_prefill_app(args: argparse.Namespace) -> FastAPI:
     secret = internal_secret.load()
     engine, metrics, name = build_engine(args, "prefill")
-    connector = PrefillConnector(engine.runner, args.prefill_timeout, secret)
+    layout = kv_layout(engine)
+    connector = PrefillConnector(engine.runner, args.prefill_timeout, secret, layout)
     engine.connector = connector
     aengine = AsyncEngine(engine)
     app = _worker_app("phasesplit prefill worker", engine, metrics, aengine, secret, args)
@@ -70,7 +86,7 @@ def build_prefill_app(args: argparse.Namespace) -> FastAPI:
 
     @app.get("/internal/state")
     async def state() -> dict[str, Any]:
-        return engine.state()
+        return {**engine.state(), "revision": args.revision, "kv_layout": layout}
 
     @app.post("/internal/prefill")
     async def prefill(call: PrefillCall, request: Request) -> JSONResponse:
@@ -78,6 +94,10 @@ def build_prefill_app(args: argparse.Namespace) -> FastAPI:
         if call.kv_host != caller:  # K/V goes back to the caller, never to an address in a body
             return JSONResponse(error_body(f"kv_host {call.kv_host!r} is not the caller's address {caller!r}",
                                            param="kv_host"), status_code=403)
+        if call.revision != args.revision:  # a pairing the router never makes; a stale or foreign caller
+            return JSONResponse(error_body(f"revision mismatch: this prefill worker is revision {args.revision!r}, "
+                                           f"the decode worker {call.revision!r}", param="revision"),
+                                status_code=409)
         try:
             engine.check_request(len(call.prompt_ids), call.params)
         except RequestError as e:
@@ -98,12 +118,14 @@ def build_decode_app(args: argparse.Namespace) -> FastAPI:
     secret = internal_secret.load()
     engine, metrics, name = build_engine(args, "decode")
     kv_host = args.kv_host or args.host
+    layout = kv_layout(engine)
     receiver = KVReceiver(args.host if args.host != "0.0.0.0" else "", args.kv_port, engine.runner.kv_cache,
-                          secret, vocab_size=engine.runner.cfg.vocab_size)
+                          secret, vocab_size=engine.runner.cfg.vocab_size, layout=layout)
     aengine = AsyncEngine(engine)
     connector = DecodeConnector(aengine, receiver, metrics, kv_host=kv_host, prefill_urls=list(args.prefill_urls),
                                 policy=args.on_prefill_failure, timeout=args.prefill_timeout,
-                                local_threshold=args.local_prefill_threshold, secret=secret)
+                                local_threshold=args.local_prefill_threshold, secret=secret,
+                                revision=args.revision)
     engine.connector = connector
     known = KnownPrefill(list(args.prefill_urls), args.prefill_service)
     app = _worker_app("phasesplit decode worker", engine, metrics, aengine, secret, args)
@@ -122,7 +144,8 @@ def build_decode_app(args: argparse.Namespace) -> FastAPI:
     @app.get("/internal/state")
     async def state() -> dict[str, Any]:
         return {**engine.state(), "kv_port": receiver.port, "kv_rejected": receiver.rejected,
-                "kv_refused": receiver.refused, "kv_connections": receiver.connections}
+                "kv_refused": receiver.refused, "kv_mismatched": receiver.mismatched,
+                "kv_connections": receiver.connections, "revision": args.revision, "kv_layout": layout}
 
     @app.post("/internal/generate")
     async def generate(call: GenerateCall, request: Request):

@@ -30,13 +30,14 @@ from phasesplit.runtime.kv.sender import KVSender
 
 LAYERS, HEADS, DIM = 30, 3, 64
 SECRET = "bench-internal-secret"
+LAYOUT = "bench-model/bfloat16/block16/bench"  # both ends the same: the handshake compares, nothing more
 
 
 def phasesplit_once(receiver: KVReceiver, layers: list[torch.Tensor], tokens: int, tid: int) -> float:
     done = threading.Event()
     receiver.expect(tid, torch.arange(tokens), 0, lambda *a: done.set(), lambda why: print("FAILED", why))
     t0 = time.perf_counter()
-    sender = KVSender(("127.0.0.1", receiver.port), tid, SECRET)
+    sender = KVSender(("127.0.0.1", receiver.port), tid, SECRET, LAYOUT)
     for i, kv in enumerate(layers):
         sender.send_layer(i, 0, kv)
     sender.finish(1)
@@ -79,7 +80,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     a = ap.parse_args()
     cache = torch.zeros(2, LAYERS, a.tokens, HEADS, DIM, dtype=torch.bfloat16)
-    receiver = KVReceiver("127.0.0.1", 0, cache, SECRET, vocab_size=2)
+    receiver = KVReceiver("127.0.0.1", 0, cache, SECRET, vocab_size=2, layout=LAYOUT)
     layers = [torch.randn(2, a.tokens, HEADS, DIM).to(torch.bfloat16) for _ in range(LAYERS)]
     payloads = [memoryview(kv.view(torch.uint8).numpy()).cast("B") for kv in layers]
     nbytes = sum(p.nbytes for p in payloads)

@@ -7,11 +7,12 @@ chart's ServiceAccount, the runtime pods load the model, the router discovers wo
 EndpointSlices, clients reach the router's ClusterIP through kube-proxy. Each test prints its
 timings. Tests share one release and one InferenceService (module fixtures) and run in file order.
 
-Opt-in for now (PHASESPLIT_NODE=1, which also makes hack/setup.sh build the node's tools and
-images): the runtime image is 5.1 GB (PyPI's torch with its CUDA libraries), ~15 min to build and
-~5 min to import cold, and the tests after 5c (bench, pod kill, planner, uninstall) have not yet
-passed end to end (issue 12 stays open). Where opted in, skipped only where this machine cannot
-run pods: not root, or the node's packages missing (both with the reason).
+Opt-in (PHASESPLIT_NODE=1, which also makes hack/setup.sh build the node's tools and images):
+cold, the runtime image (5.2 GB: PyPI's torch with its CUDA libraries) takes ~15 min to build and
+~5 min to import, and on this shared 2-core machine the tests themselves ran ~50 min; with the
+rest of the suite that does not fit CI's 90 minutes from a cold cache (docs/cluster.md, "Figures").
+Where opted in, skipped only where this machine cannot run pods: not root, or the node's packages
+missing (both with the reason).
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ import yaml
 from tests.kubecluster import KubeCluster
 from tests.procs import Proc, free_port
 
-pytestmark = [pytest.mark.cluster, pytest.mark.node]
+# Module fixtures (node up, image import, pods Ready) land in the first test's time, and a rollout
+# on two shared cores takes minutes: the suite's 900 s per test is too tight here.
+pytestmark = [pytest.mark.cluster, pytest.mark.node, pytest.mark.timeout(2400)]
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE_SH = ROOT / "hack" / "node.sh"
@@ -73,8 +76,9 @@ def sh(*cmd: str, env: dict[str, str] | None = None, timeout: float = 1800) -> s
 
 def cannot_run_pods() -> str | None:
     if os.environ.get("PHASESPLIT_NODE") != "1":
-        return ("real-node e2e tests are opt-in (PHASESPLIT_NODE=1): their image build and import take ~20 min "
-                "cold, and tests 5d-5h have not yet passed end to end (issue 12)")
+        return ("real-node e2e tests are opt-in (PHASESPLIT_NODE=1): cold, their image build and import take "
+                "~20 min and the tests ~50 min on a shared 2-core machine, beyond CI's budget with the rest "
+                "of the suite (docs/cluster.md)")
     if os.geteuid() != 0:
         return "the real node runs containers and must run as root (hack/node.sh)"
     missing = [c for c in ("containerd", "runc", "buildah", "debootstrap", "socat", "nft") if not shutil.which(c)]
@@ -433,7 +437,10 @@ def test_g_planner_with_pod_metrics_scales_real_pods(node: Node, service, tmp_pa
     """A load step raises a pool; the new pod serves; after the window it scales back."""
     url = service["url"]
     wait_served(url)
-    window_s = 30
+    # Longer than a pod's start here (~220 s on the shared 2-core node): with 30 s the planner took
+    # the new pods back before they were ever Ready (its "no traffic" steps while every request
+    # sat in the overloaded pods' queues ended the stabilization window at once).
+    window_s = 300
     t_apply = apply_sample(node, {
         "prefill": {**yaml.safe_load(SAMPLE.read_text())["spec"]["prefill"], "minReplicas": 1, "maxReplicas": 2},
         "decode": {**yaml.safe_load(SAMPLE.read_text())["spec"]["decode"], "minReplicas": 1, "maxReplicas": 2},
@@ -480,12 +487,152 @@ def test_g_planner_with_pod_metrics_scales_real_pods(node: Node, service, tmp_pa
     finally:
         if bench.poll() is None:
             bench.kill()
+        # Back to the fixed sample for any later test, pass or fail (a planner left on would keep
+        # scaling the pods the next test measures).
+        apply_sample(node)
     print((tmp_path / "bench.log").read_text()[-1200:])
     s = json.loads((tmp_path / "bench.json").read_text())["runs"][0]["summary"]
     print(f"[g] load step: completed {s['completed']}, failed {s['failed']}")
     assert s["failed"] == 0
-    # Back to the fixed sample for any later test.
-    apply_sample(node)
+
+
+ROLL_PROMPTS = ["The capital of France is", "List three prime numbers:", "Write a haiku about the sea.",
+                "def fibonacci(n):", "The three primary colours are", "Once upon a time, in a small village,"]
+ROLL_TOKENS = 16
+
+
+def completion(url: str, prompt: str, timeout: float = 120) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json={"model": "smollm2-135m", "prompt": prompt, "temperature": 0,
+                                                     "max_tokens": ROLL_TOKENS, "ignore_eos": True}, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def rollout_references(tmp_path_factory) -> dict[str, dict[str, str]]:
+    """Greedy texts of ROLL_PROMPTS from a local colocated runtime, per dtype (the rollout's two)."""
+    refs = {}
+    for dtype in ("float32", "bfloat16"):
+        port = free_port()
+        proc = Proc(["serve", "--role", "both", "--port", str(port), "--model", "smollm2", "--served-model-name",
+                     "smollm2-135m", "--device", "cpu", "--dtype", dtype, "--max-model-len", "2048",
+                     "--log-level", "warning"], tmp_path_factory.mktemp(f"ref-{dtype}") / "serve.log",
+                    url=f"http://127.0.0.1:{port}")
+        try:
+            proc.wait_ready(timeout=300)
+            refs[dtype] = {p: completion(proc.url, p).json()["choices"][0]["text"] for p in ROLL_PROMPTS}
+        finally:
+            proc.stop()
+    return refs
+
+
+def internal_headers(node: Node) -> dict[str, str]:
+    """The service's internal secret (the test is cluster admin), to read workers' /internal/state."""
+    import base64
+
+    from phasesplit.operator.render import INTERNAL_SECRET_KEY
+    from phasesplit.runtime import internal_secret
+
+    raw = node.kubectl("-n", NS, "get", "secret", f"{NAME}-internal", "-o",
+                       f"jsonpath={{.data.{INTERNAL_SECRET_KEY}}}").stdout
+    return {internal_secret.HEADER: base64.b64decode(raw).decode()}
+
+
+def test_f_rolling_update_of_a_kv_relevant_arg_never_mixes_revisions(node: Node, service, rollout_references):
+    """dtype float32 -> bfloat16 under load: the prefill, decode (and router) Deployments roll,
+    old and new pairs serve side by side, and every greedy output equals one revision's reference."""
+    from phasesplit.operator.render import REVISION_LABEL
+
+    url = service["url"]
+    wait_served(url)
+    refs = rollout_references
+    telling = [p for p in ROLL_PROMPTS if refs["float32"][p] != refs["bfloat16"][p]]
+    print(f"\n[f] {len(telling)} of {len(ROLL_PROMPTS)} prompts tell the two revisions apart by their output")
+    old_rev = {p["metadata"]["labels"][REVISION_LABEL] for p in node.pods("decode") if ready(p)}
+    assert len(old_rev) == 1, old_rev
+    hdrs = internal_headers(node)
+    rollout_error: str | None = None
+    results: list[tuple[str, float, int | None, str]] = []  # prompt, time, status, text or error
+    kv_state: dict[str, dict] = {}  # pod -> its last /internal/state
+    stop = threading.Event()
+
+    def client(i: int) -> None:
+        while not stop.is_set():
+            prompt = ROLL_PROMPTS[i % len(ROLL_PROMPTS)]
+            i += 1
+            try:
+                r = completion(url, prompt, timeout=600)  # a client that waits: failures, not patience
+                text = r.json()["choices"][0]["text"] if r.status_code == 200 else r.text[:300]
+                results.append((prompt, time.monotonic(), r.status_code, text))
+            except (httpx.HTTPError, ValueError, KeyError) as e:
+                results.append((prompt, time.monotonic(), None, f"{type(e).__name__}: {e}"[:300]))
+
+    def watch() -> None:
+        while not stop.is_set():
+            for p in node.pods("decode"):
+                ip = (p.get("status") or {}).get("podIP")
+                if ip and ready(p):
+                    try:
+                        kv_state[p["metadata"]["name"]] = httpx.get(f"http://{ip}:8000/internal/state",
+                                                                     headers=hdrs, timeout=5).json()
+                    except (httpx.HTTPError, ValueError):
+                        pass
+            stop.wait(2)
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(2)]
+    threads.append(threading.Thread(target=watch, daemon=True))
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(10)  # load before the rollout
+        sample_runtime = yaml.safe_load(SAMPLE.read_text())["spec"]["runtime"]
+        t_apply = apply_sample(node, {"runtime": {**sample_runtime, "dtype": "bfloat16"}})
+
+        def rolled() -> str | None:
+            revs = set()
+            for role in ("prefill", "decode"):
+                pods = node.pods(role)
+                if len(pods) != 1 or not ready(pods[0]):
+                    return None
+                revs.add(pods[0]["metadata"]["labels"][REVISION_LABEL])
+            return revs.pop() if len(revs) == 1 and revs != old_rev else None
+        try:
+            new_rev = wait_until("the rollout: one Ready prefill and decode pod, of the new revision", rolled,
+                                 timeout=1200, interval=1)
+        except pytest.fail.Exception as e:  # still report what the clients saw meanwhile
+            rollout_error, t_rolled = str(e), float("inf")
+        else:
+            t_rolled = time.monotonic()
+            print(f"[f] revision {old_rev.pop()} -> {new_rev}: rolled {t_rolled - t_apply:.1f} s after the apply")
+            wait_served(url)
+            time.sleep(15)  # the new pair under load
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(150)
+    by = {"old": 0, "new": 0, "both": 0, "neither": 0, "failed": 0}
+    wrong = []
+    for prompt, _, status, text in results:
+        if status != 200:
+            by["failed"] += 1
+            wrong.append((prompt, status, text))
+            continue
+        a, b = text == refs["float32"][prompt], text == refs["bfloat16"][prompt]
+        key = "both" if a and b else "old" if a else "new" if b else "neither"
+        by[key] += 1
+        if key == "neither":
+            wrong.append((prompt, status, text))
+    new_after = sum(1 for p, t, s, x in results if t > t_rolled and s == 200 and p in telling
+                    and x == refs["bfloat16"][p])
+    mismatched = sum(s.get("kv_mismatched", 0) for s in kv_state.values())
+    print(f"[f] {len(results)} requests: {by}; {new_after} telling ones served by the new revision after the "
+          f"rollout; KV handshakes refused for another layout: {mismatched} "
+          f"(over {len(kv_state)} decode pods)")
+    for w in wrong[:5]:
+        print(f"[f]   {w}")
+    assert by["neither"] == 0, "an output matched neither revision: a request mixed them"
+    assert rollout_error is None, rollout_error
+    assert by["failed"] == 0, f"{by['failed']} requests failed during the rollout"
+    assert mismatched == 0, "the router paired a decode worker with a prefill worker of another layout"
+    assert not telling or new_after > 0, "the new revision never served"
 
 
 def test_h_uninstall_and_delete_leave_nothing(node: Node, service):

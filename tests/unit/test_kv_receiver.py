@@ -18,12 +18,13 @@ from phasesplit.runtime.kv.wire import ACK, DATA, DONE, HEADER_SIZE, NACK, Heade
 LAYERS, SLOTS, HEADS, DIM = 2, 64, 3, 8
 SECRET = "unit-test-internal-secret"
 VOCAB = 1000
+LAYOUT = handshake.fingerprint("unit-model", "bfloat16", 16, LAYERS, HEADS, DIM)
 
 
 @pytest.fixture
 def receiver():
     cache = torch.zeros(2, LAYERS, SLOTS, HEADS, DIM, dtype=torch.bfloat16)
-    r = KVReceiver("127.0.0.1", 0, cache, SECRET, vocab_size=VOCAB)
+    r = KVReceiver("127.0.0.1", 0, cache, SECRET, vocab_size=VOCAB, layout=LAYOUT)
     yield r
     r.close()
 
@@ -32,7 +33,7 @@ def authed(port: int) -> socket.socket:
     """A raw connection that has passed the handshake (the tests then speak frames on it)."""
     s = socket.create_connection(("127.0.0.1", port))
     s.settimeout(10)
-    handshake.connect(s, SECRET)
+    handshake.connect(s, SECRET, LAYOUT)
     return s
 
 
@@ -73,7 +74,7 @@ def test_frames_land_in_reserved_slots_only(receiver):
     slots = [3, 4, 5, 20, 21, 40]  # three runs of consecutive slots
     out = expect(receiver, 7, slots)
     kvs = [layer_kv(len(slots), i) for i in range(LAYERS)]
-    sender = KVSender(("127.0.0.1", receiver.port), 7, SECRET)
+    sender = KVSender(("127.0.0.1", receiver.port), 7, SECRET, LAYOUT)
     for layer, kv in enumerate(kvs):
         sender.send_layer(layer, 0, kv[:, :4].clone())  # two frames per layer, in token order
         sender.send_layer(layer, 4, kv[:, 4:].clone())
@@ -101,7 +102,7 @@ def test_truncated_frame_fails_its_transfer_only(receiver):
     assert receiver.rejected == 1
     assert not receiver.kv_cache[:, :, 10:14].any()
     # the other transfer still completes, on a connection of its own
-    sender = KVSender(("127.0.0.1", receiver.port), 2, SECRET)
+    sender = KVSender(("127.0.0.1", receiver.port), 2, SECRET, LAYOUT)
     for layer in range(LAYERS):
         sender.send_layer(layer, 0, layer_kv(4, 10 + layer))
     sender.finish(3)
@@ -148,7 +149,7 @@ def test_cancel_mid_frame_defers_the_release(receiver):
 def test_cancel_when_idle_releases_at_once(receiver):
     expect(receiver, 8, [0, 1])
     assert receiver.cancel(8, lambda: pytest.fail("nothing was in flight")) is True
-    sender = KVSender(("127.0.0.1", receiver.port), 8, SECRET)
+    sender = KVSender(("127.0.0.1", receiver.port), 8, SECRET, LAYOUT)
     sender.send_layer(0, 0, layer_kv(2, 0))
     sender.finish(1)
     with pytest.raises(TransferFailed, match="refused"):
@@ -164,7 +165,7 @@ def staged():
     """A receiver on the staging path (as for a GPU cache), the one that allocates per frame."""
     cache = torch.zeros(2, LAYERS, SLOTS, HEADS, DIM * 2, dtype=torch.bfloat16)[..., :DIM]
     assert not cache.is_contiguous()
-    r = KVReceiver("127.0.0.1", 0, cache, SECRET, vocab_size=VOCAB, max_connections=16, handshake_timeout=0.5)
+    r = KVReceiver("127.0.0.1", 0, cache, SECRET, vocab_size=VOCAB, layout=LAYOUT, max_connections=16, handshake_timeout=0.5)
     yield r
     r.close()
 
@@ -190,7 +191,7 @@ def closed_by_peer(s: socket.socket, timeout: float = 10.0) -> bool:
 
 def transfer_works(r: KVReceiver, tid: int) -> None:
     out = expect(r, tid, [50, 51, 52])
-    sender = KVSender(("127.0.0.1", r.port), tid, SECRET)
+    sender = KVSender(("127.0.0.1", r.port), tid, SECRET, LAYOUT)
     for layer in range(LAYERS):
         sender.send_layer(layer, 0, layer_kv(3, 30 + layer))
     sender.finish(5)
@@ -220,7 +221,7 @@ def test_unauthenticated_connection_is_refused_before_any_allocation(staged):
         with socket.create_connection(("127.0.0.1", staged.port)) as s:
             s.settimeout(10)
             with pytest.raises(handshake.HandshakeError):
-                handshake.connect(s, "not-the-secret-at-all")
+                handshake.connect(s, "not-the-secret-at-all", LAYOUT)
             assert closed_by_peer(s)
 
     peak = peak_allocation(attack)
@@ -270,7 +271,7 @@ def test_guessed_transfer_ids_are_rejected(receiver):
 
 def test_out_of_vocabulary_first_token_fails_the_transfer(receiver):
     out = expect(receiver, 60, [0, 1])
-    sender = KVSender(("127.0.0.1", receiver.port), 60, SECRET)
+    sender = KVSender(("127.0.0.1", receiver.port), 60, SECRET, LAYOUT)
     for layer in range(LAYERS):
         sender.send_layer(layer, 0, layer_kv(2, layer))
     sender.finish(VOCAB)  # one past the last token id
@@ -304,12 +305,12 @@ def test_a_thousand_idle_connections_are_shed(staged):
 
 def test_an_idle_authenticated_link_times_out_and_the_sender_reconnects():
     cache = torch.zeros(2, LAYERS, SLOTS, HEADS, DIM, dtype=torch.bfloat16)
-    r = KVReceiver("127.0.0.1", 0, cache, SECRET, vocab_size=VOCAB, idle_timeout=0.5)
+    r = KVReceiver("127.0.0.1", 0, cache, SECRET, vocab_size=VOCAB, layout=LAYOUT, idle_timeout=0.5)
     try:
         transfer_works(r, 1)
         wait_until(lambda: r.connections == 0, "the idle link was closed", timeout=15)
         out = expect(r, 2, [7, 8])
-        sender = KVSender(("127.0.0.1", r.port), 2, SECRET)
+        sender = KVSender(("127.0.0.1", r.port), 2, SECRET, LAYOUT)
         for layer in range(LAYERS):
             sender.send_layer(layer, 0, layer_kv(2, layer))
         sender.finish(3)
@@ -328,7 +329,7 @@ def test_a_landing_buffer_takes_every_head_and_leaves_the_cache_alone(receiver):
     receiver.expect(11, torch.tensor(slots), skip, out.on_done, out.on_fail, landing=landing)
     g = torch.Generator().manual_seed(5)
     kvs = [torch.randn(2, len(slots) - skip, heads, DIM, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
-    sender = KVSender(("127.0.0.1", receiver.port), 11, SECRET)
+    sender = KVSender(("127.0.0.1", receiver.port), 11, SECRET, LAYOUT)
     for layer, kv in enumerate(kvs):
         sender.send_layer(layer, skip, kv[:, :2].clone())
         sender.send_layer(layer, skip + 2, kv[:, 2:].clone())
@@ -343,10 +344,56 @@ def test_a_landing_buffer_takes_every_head_and_leaves_the_cache_alone(receiver):
 
 def test_a_frame_with_the_wrong_head_count_fails_its_transfer(receiver):
     out = expect(receiver, 12, [1, 2])  # a plain transfer into the cache: 3 heads
-    sender = KVSender(("127.0.0.1", receiver.port), 12, SECRET)
+    sender = KVSender(("127.0.0.1", receiver.port), 12, SECRET, LAYOUT)
     sender.send_layer(0, 0, torch.zeros(2, 2, HEADS + 1, DIM, dtype=torch.bfloat16))
     sender.finish(1)
     with pytest.raises(TransferFailed):
         sender.wait(10)
     assert out.event.wait(10) and out.failed and "KV heads" in out.failed
     assert not receiver.kv_cache.any()
+
+
+def test_sender_of_another_layout_is_refused_by_both_ends_naming_both(receiver):
+    """Same secret, same frame geometry, another model/block size: K/V that would decode into
+    garbage without any frame check noticing. Both ends refuse, each naming both layouts, before
+    a single frame is sent."""
+    other = handshake.fingerprint("unit-model-finetune", "bfloat16", 32, LAYERS, HEADS, DIM)
+    done = Outcome()
+    receiver.expect(9, torch.arange(8), 0, done.on_done, done.on_fail)
+    sender = KVSender(("127.0.0.1", receiver.port), 9, SECRET, other)
+    sender.send_layer(0, 0, torch.ones(2, 8, HEADS, DIM, dtype=torch.bfloat16))
+    sender.finish(5)
+    with pytest.raises(TransferFailed) as e:
+        sender.wait(10)
+    print(f"\nsender: {e.value}")
+    assert "KV layout mismatch" in str(e.value) and LAYOUT in str(e.value) and other in str(e.value)
+    deadline = time.monotonic() + 10
+    while receiver.mismatched < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert receiver.mismatched == 1 and receiver.refused == 1
+    assert not receiver.kv_cache.any(), "nothing was written into the cache"
+    assert not done.event.is_set(), "the transfer neither completed nor was decoded"
+
+
+def test_receiver_refuses_a_forged_fingerprint_in_the_sender_answer(receiver):
+    """A sender that read the receiver's layout but answers with another one (an old or foreign
+    worker ignoring the check) is refused by the receiver itself, by name."""
+    other = handshake.fingerprint("other-model", "float32", 16, LAYERS, HEADS, DIM)
+    with socket.create_connection(("127.0.0.1", receiver.port)) as s:
+        s.settimeout(10)
+        with pytest.raises(handshake.LayoutMismatch):
+            handshake.connect(s, SECRET, other)
+        assert closed_by_peer(s)
+    deadline = time.monotonic() + 10
+    while receiver.mismatched < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert receiver.mismatched == 1
+
+
+def test_fingerprint_names_every_layout_field():
+    base = dict(model="m", dtype="bfloat16", block_size=16, layers=30, kv_heads=3, head_dim=64)
+    fp = handshake.fingerprint(**base)
+    assert fp == "m/bfloat16/block16/30x3x64"
+    for k, v in (("model", "m2"), ("dtype", "float32"), ("block_size", 32), ("layers", 31), ("kv_heads", 4),
+                 ("head_dim", 128)):
+        assert handshake.fingerprint(**{**base, k: v}) != fp, k

@@ -246,3 +246,46 @@ def test_tensor_parallel_pods_get_one_gpu_per_rank_and_the_flag():
     assert "limits" not in pod(objs, "prefill")["containers"][0]["resources"]
     assert "--tensor-parallel-size=2" in pod(objs, "prefill")["containers"][0]["args"]
     assert not any(a.startswith("--tensor-parallel-size") for a in pod(objs, "decode")["containers"][0]["args"])
+
+
+def test_revision_changes_exactly_when_a_kv_relevant_field_changes():
+    base = render.revision(spec_of())
+    kv_relevant = {
+        "dtype": {"runtime": {"dtype": "float32"}},
+        "block size": {"runtime": {"blockSize": 32}},
+        "image": {"runtime": {"image": "ghcr.io/phasesplit/runtime:0.2.0"}},
+        "device": {"runtime": {"device": "cpu"}},
+        "args": {"runtime": {"args": ["--no-prefix-caching"]}},
+        "model source": {"model": {"name": "smollm2-135m", "hostPath": {"directory": "/m", "path": "smollm2"}}},
+    }
+    seen = {base}
+    for what, patch in kv_relevant.items():
+        r = render.revision(spec_of(**patch))
+        assert r not in seen, f"changing the {what} must change the revision"
+        seen.add(r)
+    irrelevant = {
+        "served name": {"model": {"name": "another-name", "builtin": "smollm2"}},
+        "replicas": {"decode": {"replicas": 5}},
+        "resources": {"prefill": {"replicas": 1, "resources": {"requests": {"cpu": "2"}}}},
+        "max model len": {"runtime": {"maxModelLen": 1024}},
+        "kv cache memory": {"runtime": {"kvCacheMemory": "1Gi"}},
+        "drain timeout": {"drainTimeout": "30s"},
+    }
+    for what, patch in irrelevant.items():
+        assert render.revision(spec_of(**patch)) == base, f"the {what} moves no K/V: same revision"
+
+
+def test_phase_pods_carry_their_revision_as_label_and_flag():
+    spec = spec_of(runtime={"blockSize": 32})
+    objs = by_key(spec)
+    rev = render.revision(spec)
+    for component in ("prefill", "decode"):
+        tmpl = objs[("Deployment", f"chat-{component}")]["spec"]["template"]
+        assert tmpl["metadata"]["labels"][render.REVISION_LABEL] == rev
+        assert f"--revision={rev}" in tmpl["spec"]["containers"][0]["args"]
+        # Not in the selector (immutable): a rollout changes the label, not the Deployment's identity.
+        sel = objs[("Deployment", f"chat-{component}")]["spec"]["selector"]["matchLabels"]
+        assert render.REVISION_LABEL not in sel
+    router = objs[("Deployment", "chat-router")]["spec"]["template"]
+    assert render.REVISION_LABEL not in router["metadata"]["labels"]
+    assert not any(a.startswith("--revision") for a in router["spec"]["containers"][0]["args"])

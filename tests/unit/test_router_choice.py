@@ -124,3 +124,34 @@ def test_a_refusing_decode_worker_is_skipped_for_the_retry():
     assert pick_decode(pool).url == "http://a"
     assert pick_decode(pool, exclude={"http://a"}).url == "http://b"
     assert pick_decode(pool, exclude={"http://a", "http://b"}) is None
+
+
+def test_prefill_peers_only_of_the_decode_workers_revision():
+    """Mid-rollout: two revisions behind the same Services. A decode worker is never given a
+    prefill worker of another revision, however idle that one is."""
+    old = [Worker(f"http://old{i}", True, queued_tokens=900, revision="r1") for i in range(2)]
+    new = [Worker("http://new0", True, queued_tokens=0, revision="r2")]
+    p = pool(*old, *new)
+    rng = random.Random(3)
+    for i in range(50):
+        ranked = rank_prefill(p, rng, [i] * 40, revision="r1")
+        assert {w.revision for w in ranked} == {"r1"} and len(ranked) == 2
+        assert [w.url for w in rank_prefill(p, rng, [i] * 40, revision="r2")] == ["http://new0"]
+    assert rank_prefill(p, rng, revision="r3") == [], "no peer of its revision: the decode worker prefills itself"
+    # Without a revision (the router of an older release) every live worker is a candidate.
+    assert len(rank_prefill(p, rng)) == 3
+    # Workers started without --revision ("") pair with each other only.
+    plain = pool(Worker("a", True), Worker("b", True, revision="r1"))
+    assert [w.url for w in rank_prefill(plain, rng, revision="")] == ["a"]
+
+
+def test_decode_workers_with_a_prefill_peer_of_their_revision_come_first():
+    d_old = Worker("http://d-old", True, free_blocks=90, revision="r1")
+    d_new = Worker("http://d-new", True, free_blocks=10, revision="r2")
+    p = pool(d_old, d_new)
+    assert pick_decode(p).url == "http://d-old"  # no preference asked: most free blocks
+    assert pick_decode(p, prefill_revisions={"r2"}).url == "http://d-new"  # the old prefill pool is gone
+    assert pick_decode(p, prefill_revisions={"r1", "r2"}).url == "http://d-old"
+    # No decode worker has a peer: any of them (it prefills locally) rather than none.
+    assert pick_decode(p, prefill_revisions={"r9"}).url == "http://d-old"
+    assert pick_decode(p, exclude={"http://d-new"}, prefill_revisions={"r2"}).url == "http://d-old"
