@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field, replace
 
 from phasesplit.operator.api import PHASES, Behavior
 from phasesplit.operator.planner.behavior import HPA_BEHAVIOR, PhaseLimiter, apply_ratio
+from phasesplit.operator.planner.bursts import BurstMemory
 from phasesplit.operator.planner.model import DecodeProfile, PerfModel, PrefillProfile
 from phasesplit.operator.planner.queueing import replicas_for_ttft, service_quantile
 from phasesplit.operator.planner.snapshot import MetricsSnapshot
@@ -40,7 +40,9 @@ class PlannerConfig:
     tolerance: float = 0.1  # extra load a scale-down must still fit
     confirm_windows: int = 2  # consecutive windows a prediction-only scale-up must persist
     startup_s: float = 60.0  # a new replica's time to ready; with the interval, the reaction time
-    surge_memory_s: float = 1800.0  # how long a seen surge keeps headroom in place
+    surge_memory_s: float = 3600.0  # bursts older than this are forgotten, recurring or not
+    burst_decay: float = 1.5  # burst headroom is kept this many longest inter-burst gaps after the last
+    burst_first_hold_s: float = 900.0  # ... or this long after a first burst (no gap learned yet)
     max_surge: float = 3.0
 
     @property
@@ -99,54 +101,39 @@ class Planner:
 
     def __post_init__(self) -> None:
         self.limiters = {p: PhaseLimiter(self.config.behavior) for p in PHASES}
-        self.rates: deque[tuple[float, float]] = deque()  # (time, request rate) for surge headroom
-
-    def surge(self, now: float, rate: float, short: bool = False) -> tuple[float, float, bool]:
-        """(planning rate, surge factor, rising): headroom for load that can arrive before a new replica is up.
-
-        A reactive planner is always one reaction time (interval + start-up) behind. If the
-        recent past shows the rate multiplying within that time (flash crowds), capacity for
-        such a jump is kept, up to the highest rate seen in memory; a load that drifts slowly
-        (diurnal) shows no such jump and gets none. Rates are smoothed over two windows and
-        jumps within Poisson noise (3σ) ignored, so a steady load earns no headroom either.
-
-        While a rise is still under way (the newest smoothed rate is the highest in memory) and
-        already outruns the capacity (`short`: an SLO miss or a queue now), its peak is not known
-        yet: the rise so far is extrapolated over one more reaction time, capped at `max_surge`
-        times the lowest rate of that reaction time. Sizing only for the rate seen so far would
-        order, a reaction time late, capacity that is already too small. A rise the capacity
-        still absorbs gets only the remembered headroom.
-        """
         cfg = self.config
-        self.rates.append((now, rate))
-        while self.rates and self.rates[0][0] < now - cfg.surge_memory_s:
-            self.rates.popleft()
-        pts = list(self.rates)
-        smooth = [(t, (r + pts[i - 1][1]) / 2 if i else r) for i, (t, r) in enumerate(pts)]
-        reaction = cfg.startup_s + cfg.interval_s
-        factor = 1.0
-        for j, (t2, r2) in enumerate(smooth):
-            for t1, r1 in smooth[:j]:
-                if t2 - t1 > reaction or r1 <= 0:
-                    continue
-                noise = 3 * math.sqrt(r1 / (2 * cfg.interval_s))
-                if r2 - r1 > noise:
-                    factor = max(factor, (r2 - noise) / r1)
-        factor = min(factor, cfg.max_surge)
-        peak = max(r for _, r in smooth)
-        ceiling = peak
-        # Under way now: the newest smoothed rate is the highest in memory and stands above the
-        # lowest of the last reaction time by more than noise (a slow creep to new highs does not).
-        # (the latest time the low was seen: where the rise started)
-        t_low, low = min(((t, r) for t, r in smooth if t >= now - reaction), key=lambda x: (x[1], -x[0]))
-        t_new, newest = smooth[-1]
-        rising = (short and factor > 1 and newest >= peak and t_new > t_low
-                  and newest - low > 3 * math.sqrt(low / (2 * cfg.interval_s)))
-        if rising:
-            # The rise continued at its pace for one more reaction time, within max_surge.
-            pace = (newest - low) / (t_new - t_low)
-            ceiling = max(peak, min(newest + pace * reaction, low * cfg.max_surge))
-        return max(rate, min(rate * factor, ceiling)), factor, rising
+        self.bursts = BurstMemory(cfg.interval_s, cfg.startup_s + cfg.interval_s, memory_s=cfg.surge_memory_s,
+                                  decay=cfg.burst_decay, first_hold_s=cfg.burst_first_hold_s,
+                                  max_factor=cfg.max_surge)
+
+    def surge(self, now: float, rate: float, short: bool = False) -> tuple[float, float, bool, str]:
+        """(planning rate, surge factor, rising, note): headroom for load that can arrive before a
+        new replica is up.
+
+        The burst memory (bursts.py) keeps capacity for the remembered bursts' peak while bursts
+        keep recurring, and lets go when they stop; a load that drifts slowly (diurnal) or only
+        jitters (steady) has no bursts and gets none.
+
+        While a burst is still under way (the newest smoothed rate is its peak so far) and already
+        outruns the capacity (`short`: an SLO miss or a queue now), its peak is not known yet: the
+        rise so far is extrapolated over one more reaction time, capped at `max_surge` times the
+        lowest rate of that reaction time. Sizing only for the rate seen so far would order, a
+        reaction time late, capacity that is already too small. A rise the capacity still absorbs
+        gets only the remembered headroom.
+        """
+        cfg, mem = self.config, self.bursts
+        mem.observe(now, rate)
+        h = mem.headroom(now, rate)
+        ceiling, rising = h.rate, False
+        if short and h.rising and h.factor > 1:
+            # (the latest time the low was seen: where the rise started)
+            t_low, low = min(mem.rates, key=lambda x: (x[1], -x[0]))
+            t_new, newest = mem.rates[-1]
+            if t_new > t_low and newest - low > mem.noise(low):
+                rising = True
+                pace = (newest - low) / (t_new - t_low)
+                ceiling = max(ceiling, min(newest + pace * mem.reaction_s, low * cfg.max_surge))
+        return max(rate, min(rate * h.factor, ceiling)), h.factor, rising, h.note
 
     def plan(self, snap: MetricsSnapshot | None, current: dict[str, int], now: float) -> Decision:
         cfg = self.config
@@ -160,23 +147,43 @@ class Planner:
         calibration = self.model.calibrate(snap, cfg.prompt_scv, cfg.kv_high, cfg.percentile) if healthy else []
 
         short = (snap.ttft_p is not None and snap.ttft_p > cfg.ttft_s) or any(self._bottlenecks(snap))
-        plan_rate, surge, rising = self.surge(now, snap.request_rate, short)
-        rec_p, why_p, ttft_pred, ttft_ok = self._size_prefill(_scaled(snap, plan_rate))
+        plan_rate, surge, rising, memory_note = self.surge(now, snap.request_rate, short)
+        # Burst headroom is throughput, not latency: a burst that arrives finds capacity that
+        # carries its peak (prefill at ≤ max_utilisation) while more replicas start, and queues
+        # briefly; sizing the lulls for the peak's TTFT quantile would pay for the burst's
+        # latency through every lull. A burst under way (rising) is sized in full.
+        prefill_rate = plan_rate if rising else snap.request_rate
+        rec_p, why_p, ttft_pred, ttft_ok = self._size_prefill(_scaled(snap, prefill_rate))
         rec_d, why_d, itl_pred = self._size_decode(_scaled(snap, plan_rate))
         # Tolerance against flapping (HPA's is 10 %): a phase shrinks only if it would still
         # shrink with that much more load than measured. It guards against noise in the measured
         # rate; a surge plan is a remembered peak, not a noisy measurement, and is not inflated.
-        tolerant = max(plan_rate, snap.request_rate * (1 + cfg.tolerance))
+        tolerant = snap.request_rate * (1 + cfg.tolerance)
         if rec_p < current["prefill"]:
-            rec_p = max(rec_p, min(current["prefill"], self._size_prefill(_scaled(snap, tolerant))[0]))
+            rec_p = max(rec_p, min(current["prefill"], self._size_prefill(_scaled(snap, max(prefill_rate, tolerant)))[0]))
         if rec_d < current["decode"]:
-            rec_d = max(rec_d, min(current["decode"], self._size_decode(_scaled(snap, tolerant))[0]))
+            rec_d = max(rec_d, min(current["decode"], self._size_decode(_scaled(snap, max(plan_rate, tolerant)))[0]))
         if plan_rate > snap.request_rate:
-            note = f" (surge headroom ×{surge:.2f}: sized for {plan_rate:.1f} req/s)"
+            note = f" (surge headroom ×{surge:.2f}: sized for {plan_rate:.1f} req/s; {memory_note})"
+            if not rising:
+                carry = self._prefill_throughput(_scaled(snap, plan_rate))
+                if carry > rec_p:
+                    rec_p, why_p = carry, f"{plan_rate * (snap.mean_prompt_tokens or 0):.0f} prompt tok/s at the burst peak"
             why_p += note
             why_d += note
         urgent = {"prefill": False, "decode": False}
         prefill_backlog, decode_bound = self._bottlenecks(snap)
+        # The queueing model is FCFS; the runtime serves shortest remaining prompt first, so near
+        # full utilisation the model overstates the TTFT tail (the fitted prompt SCV only matches it
+        # at the loads it was fitted on). When every replica serves, nothing is queued and the TTFT
+        # observed at this very load is within the sizing target, the observation refutes a
+        # prediction that asks for more: hold (a miss or a queue next window acts at once).
+        observed_ok = (snap.ttft_p is not None and snap.ttft_p <= cfg.ttft_s * cfg.margin and not prefill_backlog
+                       and snap.ready_prefill == current["prefill"] and not rising
+                       and (snap.request_rate or 0) * cfg.interval_s >= self.model.min_requests)
+        if observed_ok and rec_p > current["prefill"] and prefill_rate <= snap.request_rate:
+            rec_p, why_p = current["prefill"], (f"TTFT p{cfg.percentile * 100:g} {snap.ttft_p * 1000:.0f}ms observed "
+                                                f"at this load on {current['prefill']} (model asked {rec_p}: {why_p})")
         # Queueing shows in the queues before it shows in TTFT (a request reaches the TTFT
         # histogram only once its first token is out): a backlog the current replicas cannot
         # clear within the wait budget, or requests blocked on decode KV, act like a miss.
@@ -199,6 +206,8 @@ class Planner:
         # budget left after a long prompt's own service time; a miss that service time alone
         # explains (the window's longest prompts) buys nothing.
         floor = self._prefill_floor(snap)
+        carried = (plan_rate > snap.request_rate and not rising and snap.ready_prefill is not None
+                   and snap.ready_prefill >= self._prefill_throughput(_scaled(snap, plan_rate)))
         # KV exhaustion that ended in the previous window still shows in this window's TTFT
         # (those requests got their first token late): already answered, not prefill's miss.
         decode_recovered = self.decode_bound_before and not decode_bound
@@ -218,9 +227,11 @@ class Planner:
                 want, why = self._drain_prefill(snap, plan_rate, current["prefill"])
                 if want > rec_p:
                     rec_p, why_p, urgent["prefill"] = want, f"{miss}; {why}", True
-            elif not decode_bound and not (snap.decode_waiting or 0) > 0:
+            elif not decode_bound and not (snap.decode_waiting or 0) > 0 and not carried:
                 # No queue explains the miss: the model is off (a prior far from the truth, not yet
-                # calibrated). Trust the observation, in proportion to it.
+                # calibrated). Trust the observation, in proportion to it. Not while a remembered
+                # burst's peak is already carried by the replicas serving: that miss is the burst's
+                # brief queue at its rise, which the held capacity drains by itself.
                 want = math.ceil((snap.ready_prefill or current["prefill"]) * factor)
                 if want > rec_p:
                     rec_p, why_p, urgent["prefill"] = want, f"{miss}: ×{factor:.2f}", True
@@ -346,6 +357,14 @@ class Planner:
                + f" at {prof.tokens_per_s:.0f} tok/s/replica → TTFT p{cfg.percentile * 100:g} "
                f"≈{predicted * 1000:.0f}ms with queueing")
         return c, why, predicted, ok
+
+    def _prefill_throughput(self, snap: MetricsSnapshot) -> int:
+        """Replicas that carry the snapshot's prompt tokens at ≤ max_utilisation (no latency target)."""
+        cfg, prof = self.config, self.model.prefill
+        rate, isl = snap.request_rate or 0.0, snap.mean_prompt_tokens or 0.0
+        busy = rate * (isl / prof.tokens_per_s + prof.overhead_s)
+        return min(max(math.ceil(busy / cfg.max_utilisation - 1e-9), cfg.prefill.min_replicas, 1),
+                   cfg.prefill.max_replicas)
 
     def _size_decode(self, snap: MetricsSnapshot) -> tuple[int, str, float | None]:
         cfg, model = self.config, self.model

@@ -38,6 +38,20 @@ def parse_slo(text: str) -> dict[str, float]:
     return _argument(units.parse_slo, text, keys=("ttft", "itl"), require_all=True)
 
 
+def parse_startup(text: str) -> dict[str, float]:
+    """'15s' (both phases) or 'prefill=15s,decode=30s'."""
+    if "=" not in text:
+        t = _argument(units.parse_duration, text, bare_unit="s", allow_zero=True)
+        return {"prefill": t, "decode": t}
+    out = {}
+    for part in text.split(","):
+        phase, _, value = part.partition("=")
+        if phase.strip() not in ("prefill", "decode"):
+            raise argparse.ArgumentTypeError(f"--startup: unknown phase {phase.strip()!r} (prefill, decode)")
+        out[phase.strip()] = _argument(units.parse_duration, value.strip(), bare_unit="s", allow_zero=True)
+    return out
+
+
 def _pair(text: str) -> tuple[int, int]:
     try:
         p, d = (int(x) for x in text.split(","))
@@ -71,6 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-scale", type=float, default=1.0, help="trace: multiply token counts")
     p.add_argument("--profile", default="a100-8b",
                    help="per-replica performance: a100-8b, cpu-smollm2, or a JSON file (see docs/autoscaling.md)")
+    p.add_argument("--startup", type=parse_startup, default=None, metavar="DURATION|prefill=D,decode=D",
+                   help="replica start-up (creation to ready), both phases or per phase; overrides the profile's")
     p.add_argument("--prior-scale", type=float, default=1.0,
                    help="planner: start from a profile this many times too optimistic (calibration test)")
     p.add_argument("--interval", type=parse_duration, default=15.0, help="planner interval")
@@ -110,6 +126,10 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         print(f"phasesplit sim: profile {args.profile!r}: {e}", file=sys.stderr)
         return 2
+    if args.startup:
+        from dataclasses import replace
+
+        profile = replace(profile, **{f"{ph}_startup_s": s for ph, s in args.startup.items()})
     is_trace = args.workload not in GENERATED
     if is_trace:
         if not os.path.exists(args.workload):

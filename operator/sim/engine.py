@@ -402,7 +402,7 @@ class Simulation:
         live = [r for r in self.replicas if r.phase == phase and r.removed is None and not r.draining]
         if desired > len(live):
             for _ in range(desired - len(live)):
-                r = Replica(phase, now, now + self.p.startup_s)
+                r = Replica(phase, now, now + self.p.startup(phase))
                 self.replicas.append(r)
                 self._at(r.ready_at, "ready", r)
         elif desired < len(live):

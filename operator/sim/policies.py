@@ -103,6 +103,9 @@ def make_planner(p: SimProfile, ttft: float, itl: float, percentile: float, max_
                  interval: float, prior_scale: float = 1.0) -> PlannerPolicy:
     from phasesplit.operator.planner.planner import PhaseLimits
 
+    # The reaction time is the slower phase's start-up (a burst needs both phases), as the
+    # operator feeds the planner its measured start-up.
     cfg = PlannerConfig(ttft_s=ttft, itl_s=itl, percentile=percentile, interval_s=interval,
-                        prefill=PhaseLimits(1, max_replicas), decode=PhaseLimits(1, max_replicas))
+                        prefill=PhaseLimits(1, max_replicas), decode=PhaseLimits(1, max_replicas),
+                        startup_s=max(p.startup("prefill"), p.startup("decode")))
     return PlannerPolicy(Planner(cfg, planner_model(p, prior_scale)))

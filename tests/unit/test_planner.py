@@ -426,3 +426,75 @@ def test_a_rise_that_outruns_capacity_is_extrapolated_and_not_held_for_confirmat
     absorbed, d = climb(backlog=False)
     assert plan_rate(d) is None
     assert absorbed["prefill"] < short["prefill"]
+
+
+# ---- burst memory (issue 15 acceptance 5) ----------------------------------------------------
+
+def _bursts(periods: int, gap_s: int = 600, burst_s: int = 180, base: float = 8.0, peak: float = 26.0,
+            tail_s: int = 3600):
+    """Rates every 15 s: `periods` bursts (base → peak for burst_s) every gap_s, then base only."""
+    out = []
+    for t in range(0, periods * gap_s + tail_s, 15):
+        k, phase = divmod(t, gap_s)
+        out.append((t, peak if k < periods and 300 <= phase < 300 + burst_s else base))
+    return out
+
+
+def test_burst_memory_learns_gaps_and_lets_go_within_the_decay():
+    from phasesplit.operator.planner.bursts import BurstMemory
+
+    mem = BurstMemory(interval_s=15.0, reaction_s=75.0, decay=1.5)
+    held, seen = [], []
+    for t, rate in _bursts(4):
+        mem.observe(t, rate)
+        held.append((t, mem.headroom(t, rate)))
+        if t == 4 * 600 + 300:
+            seen = list(mem.bursts)
+    assert len(seen) == 4, [(b.start, b.end) for b in seen]
+    starts = [b.start for b in seen]
+    assert [b - a for a, b in zip(starts, starts[1:], strict=False)] == pytest.approx([600.0] * 3, abs=15)
+    last_end = seen[-1].end
+    # Memory is bounded: an hour later nothing is remembered.
+    assert mem.bursts == []
+    # Through every lull between recurring bursts the peak is kept...
+    lulls = [h for t, h in held if 900 <= t < 4 * 600 and t % 600 < 300 and t > 600]
+    assert lulls and all(h.rate > 8.0 * 2 for h in lulls)
+    # ...and once they stop it is let go within the decay (1.5 × the 600 s gap), not later.
+    assert all(h.rate > 16.0 for t, h in held if last_end < t <= last_end + 1.5 * 600 - 15)
+    assert all(h.rate == 8.0 and h.until is None for t, h in held if t > last_end + 1.5 * 600)
+
+
+def test_steady_noise_and_slow_drift_make_no_bursts():
+    from phasesplit.operator.planner.bursts import BurstMemory
+
+    rng = random.Random(3)
+    mem = BurstMemory(interval_s=15.0, reaction_s=75.0)
+    for t in range(0, 7200, 15):
+        mem.observe(t, rng.gauss(20.0, math.sqrt(20.0 / 15)))  # Poisson noise of a 15 s window
+    assert mem.bursts == []
+    drift = BurstMemory(interval_s=15.0, reaction_s=75.0)
+    for t in range(0, 3600, 15):  # 6 → 34/s over an hour (diurnal's steepest slope, ×2)
+        drift.observe(t, 20.0 - 14.0 * math.cos(math.pi * t / 3600))
+    assert drift.bursts == []
+
+
+def test_planner_keeps_capacity_for_recurring_bursts_and_releases_it_when_they_stop():
+    def lull_counts(periods: int) -> list[tuple[float, dict[str, int]]]:
+        planner = Planner(PlannerConfig(interval_s=15.0, prefill=PhaseLimits(1, 40), decode=PhaseLimits(1, 40)),
+                          frozen_model())
+        current, out = {"prefill": 1, "decode": 1}, []
+        for t, rate in _bursts(periods):
+            current = planner.plan(snap(t, rate=rate, isl=1000.0, osl=200.0), current, t).desired
+            out.append((t, dict(current)))
+        return out, planner
+
+    recurring, planner = lull_counts(4)
+    quiet, _ = lull_counts(0)
+    base = quiet[-1][1]
+    # Just before the 4th burst (a lull after three): more than the lull alone needs.
+    before_4th = dict(recurring)[3 * 600 + 285]
+    assert before_4th["prefill"] > base["prefill"] or before_4th["decode"] > base["decode"]
+    # After the last burst: released within the decay (1.5 × 600 s) plus the scale-down window (300 s).
+    last_end = 3 * 600 + 300 + 180 + 30  # the 4th burst's end, seen one smoothed window late
+    after = [c for t, c in recurring if t > last_end + 1.5 * 600 + 300 + 30]
+    assert after and all(c == base for c in after), (base, after[:3])
