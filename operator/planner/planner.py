@@ -44,6 +44,10 @@ class PlannerConfig:
     burst_decay: float = 1.5  # burst headroom is kept this many longest inter-burst gaps after the last
     burst_first_hold_s: float = 900.0  # ... or this long after a first burst (no gap learned yet)
     max_surge: float = 3.0
+    # Scale to zero: a phase whose min_replicas is 0 goes to zero after this long with nothing
+    # arriving, held, queued or running (None: never to zero, min 0 means 1).
+    idle_after_s: float | None = None
+    local_prefill: bool = False  # decode may prefill held prompts itself: wake decode alone
 
     @property
     def stale_after(self) -> float:
@@ -97,6 +101,8 @@ class Planner:
     config: PlannerConfig = field(default_factory=PlannerConfig)
     model: PerfModel = field(default_factory=lambda: PerfModel(PrefillProfile(), DecodeProfile()))
     stale_windows: int = 0
+    idle_since: float | None = None  # start of the current stretch with no work at all (scale to zero)
+    last_sizes: tuple[float | None, float | None] = (None, None)  # mean prompt/output tokens last seen
     decode_bound_before: bool = False
 
     def __post_init__(self) -> None:
@@ -136,6 +142,89 @@ class Planner:
         return max(rate, min(rate * h.factor, ceiling)), h.factor, rising, h.note
 
     def plan(self, snap: MetricsSnapshot | None, current: dict[str, int], now: float) -> Decision:
+        """The decision for this interval: scale to zero and back (when allowed), else size."""
+        zero = [p for p in PHASES if self.config.idle_after_s is not None
+                and {"prefill": self.config.prefill, "decode": self.config.decode}[p].min_replicas == 0]
+        if not zero:
+            return self._plan(snap, current, now)
+        return self._plan_with_zero(snap, current, now, zero)
+
+    def _plan_with_zero(self, snap: MetricsSnapshot | None, current: dict[str, int], now: float,
+                        zero: list[str]) -> Decision:
+        """Scale-to-zero around the sizing: idle phases go to zero after `idle_after_s` with nothing
+        arriving, held, queued or running; requests held by the router (or arriving) wake them.
+
+        A phase at zero has no pods and so no metrics; the router (always ≥ 1 replica) still
+        counts arrivals and the requests it holds for want of a worker, and those wake the
+        phases at once, past the behavior rules (a Percent policy can never scale up from 0, and
+        a held request waits for the whole start-up already). A held request needs a decode
+        worker and a prefill worker (unless decode may prefill locally): both come back together.
+        """
+        cfg = self.config
+        fresh = snap is not None and now - snap.timestamp <= cfg.stale_after and snap.request_rate is not None
+        if fresh and snap.mean_prompt_tokens and snap.mean_generated_tokens:
+            self.last_sizes = (snap.mean_prompt_tokens, snap.mean_generated_tokens)
+        held = (snap.held_requests or 0.0) if snap is not None else 0.0
+        busy = snap is not None and any((x or 0) > 0 for x in (
+            held, snap.request_rate, snap.decode_running, snap.decode_waiting, snap.prefill_queue_tokens,
+            snap.prefill_waiting))
+        if busy or not fresh:
+            self.idle_since = None
+        elif self.idle_since is None:
+            self.idle_since = snap.timestamp - snap.window_s  # the whole window was idle
+        asleep = [p for p in zero if current[p] == 0]
+        if asleep and busy:
+            need = ["decode"] if cfg.local_prefill else list(PHASES)
+            size = self._wake_size(snap, held)
+            want = {p: max(current[p], size[p]) if p in need else current[p] for p in PHASES}
+            what = f"{held:.0f} held request{'s' * (held != 1)}" if held else f"{snap.request_rate:.2f} req/s arriving"
+            phases = {}
+            for p in PHASES:
+                self.limiters[p].record(now, current[p], want[p])
+                why = f"woken by {what}" if want[p] != current[p] else "awake"
+                phases[p] = PhaseDecision(current[p], want[p], want[p], why)
+            return Decision(phases["prefill"], phases["decode"], stale=False,
+                            conditions=(("ScaledToZero", False, "Woken", f"woken by {what}"),))
+        if asleep and not busy:
+            msg = (f"at zero, idle {now - self.idle_since:.0f}s" if self.idle_since is not None
+                   else "at zero, no fresh metrics (the router reports arrivals and held requests)")
+            phases = {p: PhaseDecision(current[p], current[p], current[p] if p in asleep else max(current[p], 1), msg)
+                      for p in PHASES}
+            return Decision(phases["prefill"], phases["decode"], stale=not fresh,
+                            conditions=(("ScaledToZero", True, "Idle", msg),))
+        d = self._plan(snap, current, now)
+        idle = now - self.idle_since if self.idle_since is not None else 0.0
+        if self.idle_since is not None and idle >= cfg.idle_after_s:
+            msg = f"scaled to zero after {idle:.0f}s idle (idleAfter {cfg.idle_after_s:.0f}s)"
+            for p in zero:
+                self.limiters[p].record(now, current[p], 0)
+            d = replace(d, **{p: PhaseDecision(current[p], 0, 0, msg) for p in zero},
+                        conditions=d.conditions + (("ScaledToZero", True, "Idle", msg),))
+        return d
+
+    def _wake_size(self, snap: MetricsSnapshot, held: float) -> dict[str, int]:
+        """Replicas to wake with: by the time they are up, the router holds what it holds now plus
+        one start-up of arrivals; those must drain within one interval on top of the arrivals
+        (one replica per phase would serve that backlog one prompt after another)."""
+        cfg = self.config
+        rate = snap.request_rate or 0.0
+        backlog = held + rate * cfg.startup_s
+        out = {"prefill": 1, "decode": 1}
+        # A phase at zero reports nothing: request sizes the router did not see this window are
+        # the last ones seen while awake.
+        isl = snap.mean_prompt_tokens or self.last_sizes[0]
+        osl = snap.mean_generated_tokens or self.last_sizes[1]
+        if isl and osl and backlog > 0:
+            snap = replace(snap, prompt_tokens_mean=isl, generated_tokens_mean=osl,
+                           prompt_token_rate=rate * isl, generation_token_rate=rate * osl)
+            surge = replace(_scaled(snap, rate + backlog / cfg.interval_s), prefill_queue_tokens=0.0,
+                            decode_running=0.0, decode_waiting=0.0, kv_usage=None, ready_prefill=None,
+                            ready_decode=None)
+            out["prefill"] = max(1, self._prefill_throughput(surge))
+            out["decode"] = max(1, self._size_decode(surge)[0])
+        return {p: min(n, (cfg.prefill if p == "prefill" else cfg.decode).max_replicas) for p, n in out.items()}
+
+    def _plan(self, snap: MetricsSnapshot | None, current: dict[str, int], now: float) -> Decision:
         cfg = self.config
         limits = {"prefill": cfg.prefill, "decode": cfg.decode}
         if snap is None or now - snap.timestamp > cfg.stale_after or snap.request_rate is None:

@@ -498,3 +498,73 @@ def test_planner_keeps_capacity_for_recurring_bursts_and_releases_it_when_they_s
     last_end = 3 * 600 + 300 + 180 + 30  # the 4th burst's end, seen one smoothed window late
     after = [c for t, c in recurring if t > last_end + 1.5 * 600 + 300 + 30]
     assert after and all(c == base for c in after), (base, after[:3])
+
+
+# ---- scale to zero (issue 15 points 2 and acceptance 5) --------------------------------------
+
+def _zero_planner(**kw) -> Planner:
+    cfg = PlannerConfig(interval_s=15.0, idle_after_s=120.0, prefill=PhaseLimits(0, 8), decode=PhaseLimits(0, 8), **kw)
+    return Planner(cfg, frozen_model())
+
+
+def _idle(t: float, **kw) -> MetricsSnapshot:
+    base = dict(rate=0.0, ttft_p=None, ttft_mean=None, itl_p=None, itl_mean=None, decode_running=0.0,
+                kv_usage=0.0, window_s=15.0)
+    base.update(kw)
+    return snap(t, **base)
+
+
+def test_idle_phases_go_to_zero_after_idle_after_and_not_before():
+    planner = _zero_planner()
+    current = {"prefill": 2, "decode": 2}
+    at_zero = None
+    for t in range(15, 400, 15):
+        d = planner.plan(_idle(t), current, t)
+        current = d.desired
+        if current == {"prefill": 0, "decode": 0} and at_zero is None:
+            at_zero = t
+            assert "scaled to zero after" in d.prefill.reason and "scaled to zero after" in d.decode.reason
+            assert ("ScaledToZero", True) == d.conditions[-1][:2]
+    # Idle since the first window's start (t=0): zero at the first step 120 s on, not earlier.
+    assert at_zero == 120
+
+
+def test_without_idle_after_min_zero_still_means_one():
+    planner = Planner(PlannerConfig(interval_s=15.0, prefill=PhaseLimits(0, 8), decode=PhaseLimits(0, 8)),
+                      frozen_model())
+    current = {"prefill": 1, "decode": 1}
+    for t in range(15, 1200, 15):
+        current = planner.plan(_idle(t), current, t).desired
+    assert current == {"prefill": 1, "decode": 1}
+
+
+def test_held_requests_wake_both_phases_within_one_interval():
+    planner = _zero_planner()
+    current = {"prefill": 0, "decode": 0}
+    for t in range(15, 300, 15):
+        d = planner.plan(_idle(t), current, t)
+        assert d.desired == current  # stays asleep, past any behavior rule
+    d = planner.plan(_idle(300, held_requests=3.0, rate=0.2), current, 300)
+    assert d.desired == {"prefill": 1, "decode": 1}
+    assert d.prefill.reason == d.decode.reason == "woken by 3 held requests"
+    # Decode alone where decode may prefill locally.
+    local = _zero_planner(local_prefill=True)
+    d = local.plan(_idle(15, held_requests=1.0), {"prefill": 0, "decode": 0}, 15)
+    assert d.desired == {"prefill": 0, "decode": 1}
+
+
+@pytest.mark.parametrize("busy", [dict(held_requests=1.0), dict(decode_running=2.0), dict(prefill_queue_tokens=500.0),
+                                  dict(decode_waiting=1.0), dict(rate=0.1)])
+def test_nothing_scales_to_zero_while_requests_are_held_or_in_flight(busy):
+    planner = _zero_planner()
+    current = {"prefill": 1, "decode": 1}
+    for t in range(15, 600, 15):
+        # Idle all along but for one thing still held, running or queued at each window's end.
+        current = planner.plan(_idle(t, **busy), current, t).desired
+        assert current["prefill"] >= 1 and current["decode"] >= 1, (t, busy)
+    # Once it is gone, the idle clock runs from the last window end that saw it (585 s); zero
+    # comes idleAfter (120 s) after that, not before.
+    for t in range(600, 585 + 120, 15):
+        current = planner.plan(_idle(t), current, t).desired
+        assert current != {"prefill": 0, "decode": 0}
+    assert planner.plan(_idle(585 + 120), current, 585 + 120).desired == {"prefill": 0, "decode": 0}
