@@ -37,6 +37,9 @@ def planner_config(spec: api.InferenceServiceSpec) -> PlannerConfig:
         min_pd_ratio=a.ratio.min if a.ratio else None,
         max_pd_ratio=a.ratio.max if a.ratio else None,
         interval_s=parse_duration(a.interval),
+        idle_after_s=parse_duration(a.scale_to_zero.idle_after) if a.scale_to_zero else None,
+        # Decode may prefill short prompts itself: a held request then needs decode alone.
+        local_prefill=spec.decode.local_prefill_threshold > 0,
     )
 
 
