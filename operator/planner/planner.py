@@ -103,6 +103,7 @@ class Planner:
     stale_windows: int = 0
     idle_since: float | None = None  # start of the current stretch with no work at all (scale to zero)
     last_sizes: tuple[float | None, float | None] = (None, None)  # mean prompt/output tokens last seen
+    woke_at: float | None = None  # when the phases were last woken from zero
     decode_bound_before: bool = False
 
     def __post_init__(self) -> None:
@@ -178,6 +179,7 @@ class Planner:
             size = self._wake_size(snap, held)
             want = {p: max(current[p], size[p]) if p in need else current[p] for p in PHASES}
             what = f"{held:.0f} held request{'s' * (held != 1)}" if held else f"{snap.request_rate:.2f} req/s arriving"
+            self.woke_at = now
             phases = {}
             for p in PHASES:
                 self.limiters[p].record(now, current[p], want[p])
@@ -192,6 +194,10 @@ class Planner:
                       for p in PHASES}
             return Decision(phases["prefill"], phases["decode"], stale=not fresh,
                             conditions=(("ScaledToZero", True, "Idle", msg),))
+        if self.woke_at is not None and now - self.woke_at <= cfg.startup_s + 2 * cfg.interval_s and fresh:
+            # The held requests' TTFT (start-up and all) lands in the windows after a wake-up: the
+            # price of zero, not a capacity miss (a queue still left is seen as a queue).
+            snap = replace(snap, ttft_p=None, ttft_mean=None)
         d = self._plan(snap, current, now)
         idle = now - self.idle_since if self.idle_since is not None else 0.0
         if self.idle_since is not None and idle >= cfg.idle_after_s:
