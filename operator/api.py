@@ -460,6 +460,29 @@ class HPATargets(ApiModel):
         0.8, description=f"Target average {metric_names.KV_USAGE} (0-1) per decode pod.", gt=0, le=1)
 
 
+class ScaleToZeroSpec(ApiModel):
+    """Scale to zero (Planner mode): a phase with minReplicas 0 goes to zero when idle; the router
+    (always running) holds the requests that then arrive and the planner brings the phases back."""
+
+    idle_after: Duration = Field(description="How long a phase must see nothing arriving, held, queued or "
+                                             "running before it goes to zero, e.g. 5m.")
+    hold_timeout: Duration = Field("120s", description="How long the router holds a request that finds no "
+                                                       "worker before answering 503 with Retry-After, e.g. 120s.")
+    max_held: int = Field(256, description="Requests the router holds at once; more are answered 503 at once.",
+                          ge=1, le=100000)
+
+
+_ZERO_RULE_MESSAGE = "minReplicas 0 needs autoscaling.scaleToZero.idleAfter (Planner mode)"
+
+
+def _zero_rule(phase: str) -> dict[str, str]:
+    # CEL rules also run against defaults as written, so every field read is guarded by has().
+    return cel(f"!has(self.{phase}) || !has(self.{phase}.minReplicas) || self.{phase}.minReplicas > 0 || "
+               "(has(self.autoscaling) && (has(self.autoscaling.scaleToZero) || "
+               "(has(self.autoscaling.mode) && self.autoscaling.mode != 'Planner')))",
+               f"{phase}.{_ZERO_RULE_MESSAGE}", f".{phase}.minReplicas")
+
+
 class AutoscalingSpec(ApiModel):
     """How the prefill and decode pools are sized."""
 
@@ -471,6 +494,10 @@ class AutoscalingSpec(ApiModel):
     behavior: Behavior = section(Behavior, "Scale-up and scale-down damping (as in autoscaling/v2).")
     metrics: MetricsSource = section(MetricsSource, "Where metrics come from.")
     hpa_targets: HPATargets = section(HPATargets, "Metric targets used in HPA mode.")
+    scale_to_zero: ScaleToZeroSpec | None = Field(
+        None, description="Planner mode: let phases with minReplicas 0 go to zero when idle (the router holds "
+                          "requests until they are back). An HPA cannot scale to zero without the alpha "
+                          "HPAScaleToZero gate: in HPA mode minReplicas 0 is rendered as 1.")
 
 
 class KVTransferSpec(ApiModel):
@@ -501,7 +528,8 @@ class InferenceServiceSpec(ApiModel):
 
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [cel(
         f"!has(self.kvTransfer) || !has(self.kvTransfer.port) || self.kvTransfer.port != {HTTP_PORT}",
-        f"kvTransfer.port must differ from the runtime's HTTP port {HTTP_PORT}", ".kvTransfer.port")]})
+        f"kvTransfer.port must differ from the runtime's HTTP port {HTTP_PORT}", ".kvTransfer.port"),
+        _zero_rule("prefill"), _zero_rule("decode")]})
 
     model: ModelSpec = Field(description="The model to serve.")
     runtime: RuntimeSpec = section(RuntimeSpec, "Runtime image and engine settings shared by all pods.")
@@ -521,6 +549,15 @@ class InferenceServiceSpec(ApiModel):
     def _kv_port_free(self) -> InferenceServiceSpec:
         if self.kv_transfer.port == HTTP_PORT:
             raise ValueError(f"kvTransfer.port must differ from the runtime's HTTP port {HTTP_PORT}")
+        return self
+
+    @model_validator(mode="after")
+    def _zero_needs_scale_to_zero(self) -> InferenceServiceSpec:
+        a = self.autoscaling
+        if a.mode == "Planner" and a.scale_to_zero is None:
+            for name in PHASES:
+                if self.phase(name).min_replicas == 0:
+                    raise ValueError(f"{name}.{_ZERO_RULE_MESSAGE}")
         return self
 
     def phase(self, name: str) -> PhaseSpec:

@@ -37,6 +37,13 @@ def planner_config(spec: api.InferenceServiceSpec) -> PlannerConfig:
         min_pd_ratio=a.ratio.min if a.ratio else None,
         max_pd_ratio=a.ratio.max if a.ratio else None,
         interval_s=parse_duration(a.interval),
+        # Scale to zero stays off in the operator until the router holds requests that find no
+        # worker and exports their count (issue 15 point 2): without that, a request arriving at
+        # zero would fail at the router and nothing would wake the phases. scaleToZero is
+        # validated and kept; the planner and the simulator implement it.
+        idle_after_s=None,
+        # Decode may prefill short prompts itself: a held request then needs decode alone.
+        local_prefill=spec.decode.local_prefill_threshold > 0,
     )
 
 

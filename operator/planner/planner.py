@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field, replace
 
 from phasesplit.operator.api import PHASES, Behavior
 from phasesplit.operator.planner.behavior import HPA_BEHAVIOR, PhaseLimiter, apply_ratio
+from phasesplit.operator.planner.bursts import BurstMemory
 from phasesplit.operator.planner.model import DecodeProfile, PerfModel, PrefillProfile
 from phasesplit.operator.planner.queueing import replicas_for_ttft, service_quantile
 from phasesplit.operator.planner.snapshot import MetricsSnapshot
@@ -40,8 +40,14 @@ class PlannerConfig:
     tolerance: float = 0.1  # extra load a scale-down must still fit
     confirm_windows: int = 2  # consecutive windows a prediction-only scale-up must persist
     startup_s: float = 60.0  # a new replica's time to ready; with the interval, the reaction time
-    surge_memory_s: float = 1800.0  # how long a seen surge keeps headroom in place
+    surge_memory_s: float = 3600.0  # bursts older than this are forgotten, recurring or not
+    burst_decay: float = 1.5  # burst headroom is kept this many longest inter-burst gaps after the last
+    burst_first_hold_s: float = 900.0  # ... or this long after a first burst (no gap learned yet)
     max_surge: float = 3.0
+    # Scale to zero: a phase whose min_replicas is 0 goes to zero after this long with nothing
+    # arriving, held, queued or running (None: never to zero, min 0 means 1).
+    idle_after_s: float | None = None
+    local_prefill: bool = False  # decode may prefill held prompts itself: wake decode alone
 
     @property
     def stale_after(self) -> float:
@@ -95,60 +101,136 @@ class Planner:
     config: PlannerConfig = field(default_factory=PlannerConfig)
     model: PerfModel = field(default_factory=lambda: PerfModel(PrefillProfile(), DecodeProfile()))
     stale_windows: int = 0
+    idle_since: float | None = None  # start of the current stretch with no work at all (scale to zero)
+    last_sizes: tuple[float | None, float | None] = (None, None)  # mean prompt/output tokens last seen
+    woke_at: float | None = None  # when the phases were last woken from zero
     decode_bound_before: bool = False
 
     def __post_init__(self) -> None:
         self.limiters = {p: PhaseLimiter(self.config.behavior) for p in PHASES}
-        self.rates: deque[tuple[float, float]] = deque()  # (time, request rate) for surge headroom
-
-    def surge(self, now: float, rate: float, short: bool = False) -> tuple[float, float, bool]:
-        """(planning rate, surge factor, rising): headroom for load that can arrive before a new replica is up.
-
-        A reactive planner is always one reaction time (interval + start-up) behind. If the
-        recent past shows the rate multiplying within that time (flash crowds), capacity for
-        such a jump is kept, up to the highest rate seen in memory; a load that drifts slowly
-        (diurnal) shows no such jump and gets none. Rates are smoothed over two windows and
-        jumps within Poisson noise (3σ) ignored, so a steady load earns no headroom either.
-
-        While a rise is still under way (the newest smoothed rate is the highest in memory) and
-        already outruns the capacity (`short`: an SLO miss or a queue now), its peak is not known
-        yet: the rise so far is extrapolated over one more reaction time, capped at `max_surge`
-        times the lowest rate of that reaction time. Sizing only for the rate seen so far would
-        order, a reaction time late, capacity that is already too small. A rise the capacity
-        still absorbs gets only the remembered headroom.
-        """
         cfg = self.config
-        self.rates.append((now, rate))
-        while self.rates and self.rates[0][0] < now - cfg.surge_memory_s:
-            self.rates.popleft()
-        pts = list(self.rates)
-        smooth = [(t, (r + pts[i - 1][1]) / 2 if i else r) for i, (t, r) in enumerate(pts)]
-        reaction = cfg.startup_s + cfg.interval_s
-        factor = 1.0
-        for j, (t2, r2) in enumerate(smooth):
-            for t1, r1 in smooth[:j]:
-                if t2 - t1 > reaction or r1 <= 0:
-                    continue
-                noise = 3 * math.sqrt(r1 / (2 * cfg.interval_s))
-                if r2 - r1 > noise:
-                    factor = max(factor, (r2 - noise) / r1)
-        factor = min(factor, cfg.max_surge)
-        peak = max(r for _, r in smooth)
-        ceiling = peak
-        # Under way now: the newest smoothed rate is the highest in memory and stands above the
-        # lowest of the last reaction time by more than noise (a slow creep to new highs does not).
-        # (the latest time the low was seen: where the rise started)
-        t_low, low = min(((t, r) for t, r in smooth if t >= now - reaction), key=lambda x: (x[1], -x[0]))
-        t_new, newest = smooth[-1]
-        rising = (short and factor > 1 and newest >= peak and t_new > t_low
-                  and newest - low > 3 * math.sqrt(low / (2 * cfg.interval_s)))
-        if rising:
-            # The rise continued at its pace for one more reaction time, within max_surge.
-            pace = (newest - low) / (t_new - t_low)
-            ceiling = max(peak, min(newest + pace * reaction, low * cfg.max_surge))
-        return max(rate, min(rate * factor, ceiling)), factor, rising
+        self.bursts = BurstMemory(cfg.interval_s, cfg.startup_s + cfg.interval_s, memory_s=cfg.surge_memory_s,
+                                  decay=cfg.burst_decay, first_hold_s=cfg.burst_first_hold_s,
+                                  max_factor=cfg.max_surge)
+
+    def surge(self, now: float, rate: float, short: bool = False) -> tuple[float, float, bool, str]:
+        """(planning rate, surge factor, rising, note): headroom for load that can arrive before a
+        new replica is up.
+
+        The burst memory (bursts.py) keeps capacity for the remembered bursts' peak while bursts
+        keep recurring, and lets go when they stop; a load that drifts slowly (diurnal) or only
+        jitters (steady) has no bursts and gets none.
+
+        While a burst is still under way (the newest smoothed rate is its peak so far) and already
+        outruns the capacity (`short`: an SLO miss or a queue now), its peak is not known yet: the
+        rise so far is extrapolated over one more reaction time, capped at `max_surge` times the
+        lowest rate of that reaction time. Sizing only for the rate seen so far would order, a
+        reaction time late, capacity that is already too small. A rise the capacity still absorbs
+        gets only the remembered headroom.
+        """
+        cfg, mem = self.config, self.bursts
+        mem.observe(now, rate)
+        h = mem.headroom(now, rate)
+        ceiling, rising = h.rate, False
+        if short and h.rising and h.factor > 1:
+            # (the latest time the low was seen: where the rise started)
+            t_low, low = min(mem.rates, key=lambda x: (x[1], -x[0]))
+            t_new, newest = mem.rates[-1]
+            if t_new > t_low and newest - low > mem.noise(low):
+                rising = True
+                pace = (newest - low) / (t_new - t_low)
+                ceiling = max(ceiling, min(newest + pace * mem.reaction_s, low * cfg.max_surge))
+        return max(rate, min(rate * h.factor, ceiling)), h.factor, rising, h.note
 
     def plan(self, snap: MetricsSnapshot | None, current: dict[str, int], now: float) -> Decision:
+        """The decision for this interval: scale to zero and back (when allowed), else size."""
+        zero = [p for p in PHASES if self.config.idle_after_s is not None
+                and {"prefill": self.config.prefill, "decode": self.config.decode}[p].min_replicas == 0]
+        if not zero:
+            return self._plan(snap, current, now)
+        return self._plan_with_zero(snap, current, now, zero)
+
+    def _plan_with_zero(self, snap: MetricsSnapshot | None, current: dict[str, int], now: float,
+                        zero: list[str]) -> Decision:
+        """Scale-to-zero around the sizing: idle phases go to zero after `idle_after_s` with nothing
+        arriving, held, queued or running; requests held by the router (or arriving) wake them.
+
+        A phase at zero has no pods and so no metrics; the router (always ≥ 1 replica) still
+        counts arrivals and the requests it holds for want of a worker, and those wake the
+        phases at once, past the behavior rules (a Percent policy can never scale up from 0, and
+        a held request waits for the whole start-up already). A held request needs a decode
+        worker and a prefill worker (unless decode may prefill locally): both come back together.
+        """
+        cfg = self.config
+        fresh = snap is not None and now - snap.timestamp <= cfg.stale_after and snap.request_rate is not None
+        if fresh and snap.mean_prompt_tokens and snap.mean_generated_tokens:
+            self.last_sizes = (snap.mean_prompt_tokens, snap.mean_generated_tokens)
+        held = (snap.held_requests or 0.0) if snap is not None else 0.0
+        busy = snap is not None and any((x or 0) > 0 for x in (
+            held, snap.request_rate, snap.decode_running, snap.decode_waiting, snap.prefill_queue_tokens,
+            snap.prefill_waiting))
+        if busy or not fresh:
+            self.idle_since = None
+        elif self.idle_since is None:
+            self.idle_since = snap.timestamp - snap.window_s  # the whole window was idle
+        asleep = [p for p in zero if current[p] == 0]
+        if asleep and busy:
+            need = ["decode"] if cfg.local_prefill else list(PHASES)
+            size = self._wake_size(snap, held)
+            want = {p: max(current[p], size[p]) if p in need else current[p] for p in PHASES}
+            what = f"{held:.0f} held request{'s' * (held != 1)}" if held else f"{snap.request_rate:.2f} req/s arriving"
+            self.woke_at = now
+            phases = {}
+            for p in PHASES:
+                self.limiters[p].record(now, current[p], want[p])
+                why = f"woken by {what}" if want[p] != current[p] else "awake"
+                phases[p] = PhaseDecision(current[p], want[p], want[p], why)
+            return Decision(phases["prefill"], phases["decode"], stale=False,
+                            conditions=(("ScaledToZero", False, "Woken", f"woken by {what}"),))
+        if asleep and not busy:
+            msg = (f"at zero, idle {now - self.idle_since:.0f}s" if self.idle_since is not None
+                   else "at zero, no fresh metrics (the router reports arrivals and held requests)")
+            phases = {p: PhaseDecision(current[p], current[p], current[p] if p in asleep else max(current[p], 1), msg)
+                      for p in PHASES}
+            return Decision(phases["prefill"], phases["decode"], stale=not fresh,
+                            conditions=(("ScaledToZero", True, "Idle", msg),))
+        if self.woke_at is not None and now - self.woke_at <= cfg.startup_s + 2 * cfg.interval_s and fresh:
+            # The held requests' TTFT (start-up and all) lands in the windows after a wake-up: the
+            # price of zero, not a capacity miss (a queue still left is seen as a queue).
+            snap = replace(snap, ttft_p=None, ttft_mean=None)
+        d = self._plan(snap, current, now)
+        idle = now - self.idle_since if self.idle_since is not None else 0.0
+        if self.idle_since is not None and idle >= cfg.idle_after_s:
+            msg = f"scaled to zero after {idle:.0f}s idle (idleAfter {cfg.idle_after_s:.0f}s)"
+            for p in zero:
+                self.limiters[p].record(now, current[p], 0)
+            d = replace(d, **{p: PhaseDecision(current[p], 0, 0, msg) for p in zero},
+                        conditions=d.conditions + (("ScaledToZero", True, "Idle", msg),))
+        return d
+
+    def _wake_size(self, snap: MetricsSnapshot, held: float) -> dict[str, int]:
+        """Replicas to wake with: by the time they are up, the router holds what it holds now plus
+        one start-up of arrivals; those must drain within one interval on top of the arrivals
+        (one replica per phase would serve that backlog one prompt after another)."""
+        cfg = self.config
+        rate = snap.request_rate or 0.0
+        backlog = held + rate * cfg.startup_s
+        out = {"prefill": 1, "decode": 1}
+        # A phase at zero reports nothing: request sizes the router did not see this window are
+        # the last ones seen while awake.
+        isl = snap.mean_prompt_tokens or self.last_sizes[0]
+        osl = snap.mean_generated_tokens or self.last_sizes[1]
+        if isl and osl and backlog > 0:
+            snap = replace(snap, prompt_tokens_mean=isl, generated_tokens_mean=osl,
+                           prompt_token_rate=rate * isl, generation_token_rate=rate * osl)
+            surge = replace(_scaled(snap, rate + backlog / cfg.interval_s), prefill_queue_tokens=0.0,
+                            decode_running=0.0, decode_waiting=0.0, kv_usage=None, ready_prefill=None,
+                            ready_decode=None)
+            out["prefill"] = max(1, self._prefill_throughput(surge))
+            out["decode"] = max(1, self._size_decode(surge)[0])
+        return {p: min(n, (cfg.prefill if p == "prefill" else cfg.decode).max_replicas) for p, n in out.items()}
+
+    def _plan(self, snap: MetricsSnapshot | None, current: dict[str, int], now: float) -> Decision:
         cfg = self.config
         limits = {"prefill": cfg.prefill, "decode": cfg.decode}
         if snap is None or now - snap.timestamp > cfg.stale_after or snap.request_rate is None:
@@ -160,23 +242,43 @@ class Planner:
         calibration = self.model.calibrate(snap, cfg.prompt_scv, cfg.kv_high, cfg.percentile) if healthy else []
 
         short = (snap.ttft_p is not None and snap.ttft_p > cfg.ttft_s) or any(self._bottlenecks(snap))
-        plan_rate, surge, rising = self.surge(now, snap.request_rate, short)
-        rec_p, why_p, ttft_pred, ttft_ok = self._size_prefill(_scaled(snap, plan_rate))
+        plan_rate, surge, rising, memory_note = self.surge(now, snap.request_rate, short)
+        # Burst headroom is throughput, not latency: a burst that arrives finds capacity that
+        # carries its peak (prefill at ≤ max_utilisation) while more replicas start, and queues
+        # briefly; sizing the lulls for the peak's TTFT quantile would pay for the burst's
+        # latency through every lull. A burst under way (rising) is sized in full.
+        prefill_rate = plan_rate if rising else snap.request_rate
+        rec_p, why_p, ttft_pred, ttft_ok = self._size_prefill(_scaled(snap, prefill_rate))
         rec_d, why_d, itl_pred = self._size_decode(_scaled(snap, plan_rate))
         # Tolerance against flapping (HPA's is 10 %): a phase shrinks only if it would still
         # shrink with that much more load than measured. It guards against noise in the measured
         # rate; a surge plan is a remembered peak, not a noisy measurement, and is not inflated.
-        tolerant = max(plan_rate, snap.request_rate * (1 + cfg.tolerance))
+        tolerant = snap.request_rate * (1 + cfg.tolerance)
         if rec_p < current["prefill"]:
-            rec_p = max(rec_p, min(current["prefill"], self._size_prefill(_scaled(snap, tolerant))[0]))
+            rec_p = max(rec_p, min(current["prefill"], self._size_prefill(_scaled(snap, max(prefill_rate, tolerant)))[0]))
         if rec_d < current["decode"]:
-            rec_d = max(rec_d, min(current["decode"], self._size_decode(_scaled(snap, tolerant))[0]))
+            rec_d = max(rec_d, min(current["decode"], self._size_decode(_scaled(snap, max(plan_rate, tolerant)))[0]))
         if plan_rate > snap.request_rate:
-            note = f" (surge headroom ×{surge:.2f}: sized for {plan_rate:.1f} req/s)"
+            note = f" (surge headroom ×{surge:.2f}: sized for {plan_rate:.1f} req/s; {memory_note})"
+            if not rising:
+                carry = self._prefill_throughput(_scaled(snap, plan_rate))
+                if carry > rec_p:
+                    rec_p, why_p = carry, f"{plan_rate * (snap.mean_prompt_tokens or 0):.0f} prompt tok/s at the burst peak"
             why_p += note
             why_d += note
         urgent = {"prefill": False, "decode": False}
         prefill_backlog, decode_bound = self._bottlenecks(snap)
+        # The queueing model is FCFS; the runtime serves shortest remaining prompt first, so near
+        # full utilisation the model overstates the TTFT tail (the fitted prompt SCV only matches it
+        # at the loads it was fitted on). When every replica serves, nothing is queued and the TTFT
+        # observed at this very load is within the sizing target, the observation refutes a
+        # prediction that asks for more: hold (a miss or a queue next window acts at once).
+        observed_ok = (snap.ttft_p is not None and snap.ttft_p <= cfg.ttft_s * cfg.margin and not prefill_backlog
+                       and snap.ready_prefill == current["prefill"] and not rising
+                       and (snap.request_rate or 0) * cfg.interval_s >= self.model.min_requests)
+        if observed_ok and rec_p > current["prefill"] and prefill_rate <= snap.request_rate:
+            rec_p, why_p = current["prefill"], (f"TTFT p{cfg.percentile * 100:g} {snap.ttft_p * 1000:.0f}ms observed "
+                                                f"at this load on {current['prefill']} (model asked {rec_p}: {why_p})")
         # Queueing shows in the queues before it shows in TTFT (a request reaches the TTFT
         # histogram only once its first token is out): a backlog the current replicas cannot
         # clear within the wait budget, or requests blocked on decode KV, act like a miss.
@@ -199,6 +301,8 @@ class Planner:
         # budget left after a long prompt's own service time; a miss that service time alone
         # explains (the window's longest prompts) buys nothing.
         floor = self._prefill_floor(snap)
+        carried = (plan_rate > snap.request_rate and not rising and snap.ready_prefill is not None
+                   and snap.ready_prefill >= self._prefill_throughput(_scaled(snap, plan_rate)))
         # KV exhaustion that ended in the previous window still shows in this window's TTFT
         # (those requests got their first token late): already answered, not prefill's miss.
         decode_recovered = self.decode_bound_before and not decode_bound
@@ -218,9 +322,11 @@ class Planner:
                 want, why = self._drain_prefill(snap, plan_rate, current["prefill"])
                 if want > rec_p:
                     rec_p, why_p, urgent["prefill"] = want, f"{miss}; {why}", True
-            elif not decode_bound and not (snap.decode_waiting or 0) > 0:
+            elif not decode_bound and not (snap.decode_waiting or 0) > 0 and not carried:
                 # No queue explains the miss: the model is off (a prior far from the truth, not yet
-                # calibrated). Trust the observation, in proportion to it.
+                # calibrated). Trust the observation, in proportion to it. Not while a remembered
+                # burst's peak is already carried by the replicas serving: that miss is the burst's
+                # brief queue at its rise, which the held capacity drains by itself.
                 want = math.ceil((snap.ready_prefill or current["prefill"]) * factor)
                 if want > rec_p:
                     rec_p, why_p, urgent["prefill"] = want, f"{miss}: ×{factor:.2f}", True
@@ -346,6 +452,14 @@ class Planner:
                + f" at {prof.tokens_per_s:.0f} tok/s/replica → TTFT p{cfg.percentile * 100:g} "
                f"≈{predicted * 1000:.0f}ms with queueing")
         return c, why, predicted, ok
+
+    def _prefill_throughput(self, snap: MetricsSnapshot) -> int:
+        """Replicas that carry the snapshot's prompt tokens at ≤ max_utilisation (no latency target)."""
+        cfg, prof = self.config, self.model.prefill
+        rate, isl = snap.request_rate or 0.0, snap.mean_prompt_tokens or 0.0
+        busy = rate * (isl / prof.tokens_per_s + prof.overhead_s)
+        return min(max(math.ceil(busy / cfg.max_utilisation - 1e-9), cfg.prefill.min_replicas, 1),
+                   cfg.prefill.max_replicas)
 
     def _size_decode(self, snap: MetricsSnapshot) -> tuple[int, str, float | None]:
         cfg, model = self.config, self.model

@@ -36,6 +36,8 @@ class MetricsSnapshot:
     # its capacity, not at demand, and the ratio understates the work per request just when
     # the sizing matters most.
     prompt_tokens_mean: float | None = None
+    # Requests the router holds because no worker could take them (a phase at zero): they wake it.
+    held_requests: float | None = None
     generated_tokens_mean: float | None = None
 
     @property

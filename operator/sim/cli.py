@@ -38,6 +38,20 @@ def parse_slo(text: str) -> dict[str, float]:
     return _argument(units.parse_slo, text, keys=("ttft", "itl"), require_all=True)
 
 
+def parse_startup(text: str) -> dict[str, float]:
+    """'15s' (both phases) or 'prefill=15s,decode=30s'."""
+    if "=" not in text:
+        t = _argument(units.parse_duration, text, bare_unit="s", allow_zero=True)
+        return {"prefill": t, "decode": t}
+    out = {}
+    for part in text.split(","):
+        phase, _, value = part.partition("=")
+        if phase.strip() not in ("prefill", "decode"):
+            raise argparse.ArgumentTypeError(f"--startup: unknown phase {phase.strip()!r} (prefill, decode)")
+        out[phase.strip()] = _argument(units.parse_duration, value.strip(), bare_unit="s", allow_zero=True)
+    return out
+
+
 def _pair(text: str) -> tuple[int, int]:
     try:
         p, d = (int(x) for x in text.split(","))
@@ -59,7 +73,7 @@ def _schedule(text: str) -> list[tuple[float, int, int]]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="steady",
-                   help="steady | bursty | diurnal | shift | a trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens)")
+                   help="steady | bursty | diurnal | shift | idle | a trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens)")
     p.add_argument("--policy", choices=("planner", "static", "hpa-queue", "schedule"), default="planner")
     p.add_argument("--slo", type=parse_slo, default=parse_slo("ttft=500ms,itl=50ms"),
                    help="per-request targets, e.g. ttft=500ms,itl=50ms (ITL: the request's mean gap)")
@@ -71,6 +85,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-scale", type=float, default=1.0, help="trace: multiply token counts")
     p.add_argument("--profile", default="a100-8b",
                    help="per-replica performance: a100-8b, cpu-smollm2, or a JSON file (see docs/autoscaling.md)")
+    p.add_argument("--startup", type=parse_startup, default=None, metavar="DURATION|prefill=D,decode=D",
+                   help="replica start-up (creation to ready), both phases or per phase; overrides the profile's")
+    p.add_argument("--scale-to-zero", type=parse_duration, default=None, metavar="IDLE_AFTER",
+                   help="planner: both phases may go to zero after this long idle (minReplicas 0, "
+                        "scaleToZero.idleAfter); the router holds requests until they are back")
     p.add_argument("--prior-scale", type=float, default=1.0,
                    help="planner: start from a profile this many times too optimistic (calibration test)")
     p.add_argument("--interval", type=parse_duration, default=15.0, help="planner interval")
@@ -110,6 +129,10 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         print(f"phasesplit sim: profile {args.profile!r}: {e}", file=sys.stderr)
         return 2
+    if args.startup:
+        from dataclasses import replace
+
+        profile = replace(profile, **{f"{ph}_startup_s": s for ph, s in args.startup.items()})
     is_trace = args.workload not in GENERATED
     if is_trace:
         if not os.path.exists(args.workload):
@@ -131,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
     setup = Setup(requests, profile, ttft, itl, args.percentile, duration)
 
     def new_planner():
-        return make_planner(profile, ttft, itl, args.percentile, args.max_replicas, args.interval, args.prior_scale)
+        return make_planner(profile, ttft, itl, args.percentile, args.max_replicas, args.interval, args.prior_scale,
+                            args.scale_to_zero)
 
     start = initial_counts(setup, new_planner().planner)
     results, sims = {}, {}
@@ -188,6 +212,14 @@ def run(args: argparse.Namespace) -> int:
             s = results["static"]["search"]
             print(f"static: cheapest fixed counts reaching the planner's attainment "
                   f"({s['reference_attainment'] * 100:.1f}%), {s['runs']} runs searched")
+        held = results["planner"].get("held")
+        if held:
+            def sec(v):
+                return "-" if v is None else f"{v:.1f}s"
+            print(f"held by the router while a phase was at zero: {held['requests']} requests, {held['answered']} "
+                  f"answered; TTFT p50 {sec(held['ttft_p50_s'])}, p95 {sec(held['ttft_p95_s'])}, max "
+                  f"{sec(held['ttft_max_s'])} (start-up {max(profile.startup('prefill'), profile.startup('decode')):.0f}s "
+                  f"+ interval {args.interval:.0f}s)")
         if is_trace:
             print(ATTRIBUTION)
     return 0

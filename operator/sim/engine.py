@@ -46,6 +46,7 @@ class Outcome:
     osl: int
     first_token: float = math.nan
     done: float = math.nan
+    held: bool = False  # waited at the router for a decode worker (its phase was at zero)
 
     @property
     def ttft(self) -> float:
@@ -163,10 +164,13 @@ class Simulation:
         self._sample_reset()
         self._window_reset(0.0)
         self.decisions: list[tuple[float, dict[str, int], str]] = []
+        # The router's own queue: requests that found no decode worker (its pool at zero) wait here
+        # until one is ready, as the runtime's router holds them.
+        self.held: deque[int] = deque()
         for phase, n in initial.items():
-            for _ in range(max(1, n)):
+            for _ in range(n):
                 self.replicas.append(Replica(phase, 0.0, 0.0))
-        self.cur = {ph: max(1, n) for ph, n in initial.items()}
+        self.cur = dict(initial)
 
     # ---- event plumbing ----------------------------------------------------------------------
     def _at(self, t: float, kind: str, *payload) -> None:
@@ -212,9 +216,23 @@ class Simulation:
         def free(r: Replica) -> tuple[float, float]:
             queued = sum(self.out[j].isl + self.out[j].osl for j in r.waitq)
             return (self.p.kv_capacity_tokens - r.reserved - queued, -(len(r.finishing) + len(r.waitq)))
-        best = max(self._pool("decode", now), key=free)
+        pool = self._pool("decode", now)
+        if not pool:
+            o.held = True
+            self.held.append(i)
+            return
+        best = max(pool, key=free)
         best.waitq.append(i)
         self._admit(now, best)
+
+    def _release_held(self, now: float) -> None:
+        """A decode worker is up: the held requests go to it (and to any others up) in order."""
+        held, self.held = self.held, deque()
+        for i in held:
+            self.w_arrivals -= 1  # counted once, at arrival
+            self.w_prompt -= self.out[i].isl
+            self.s_arrivals -= 1
+            self._arrive(now, i)
 
     def _admit(self, now: float, r: Replica) -> None:
         """Reserve KV for waiting requests in order (head-of-line, as the decode worker's
@@ -395,14 +413,16 @@ class Simulation:
     # ---- scaling -----------------------------------------------------------------------------
     def _ready(self, now: float, r: Replica) -> None:
         if r.removed is None:
+            if r.phase == "decode" and self.held:
+                self._release_held(now)
             self._dispatch(now)  # prompts held for want of a prefill replica (or late binding)
 
     def _scale(self, now: float, phase: str, desired: int) -> None:
-        desired = max(1, desired)
+        desired = max(0, desired)
         live = [r for r in self.replicas if r.phase == phase and r.removed is None and not r.draining]
         if desired > len(live):
             for _ in range(desired - len(live)):
-                r = Replica(phase, now, now + self.p.startup_s)
+                r = Replica(phase, now, now + self.p.startup(phase))
                 self.replicas.append(r)
                 self._at(r.ready_at, "ready", r)
         elif desired < len(live):
@@ -473,6 +493,7 @@ class Simulation:
             kv_usage=sum(r.reserved for r in dec) / (len(dec) * self.p.kv_capacity_tokens) if dec else None,
             slo_attainment=met / len(self.w_done) if self.w_done else None,
             ready_prefill=len(pre), ready_decode=len(dec),
+            held_requests=float(len(self.held)),
             prompt_tokens_mean=self.w_prompt / self.w_arrivals if self.w_arrivals else None,
             generated_tokens_mean=osl_mean,
         )

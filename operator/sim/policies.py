@@ -100,9 +100,15 @@ class HpaQueuePolicy:
 
 
 def make_planner(p: SimProfile, ttft: float, itl: float, percentile: float, max_replicas: int,
-                 interval: float, prior_scale: float = 1.0) -> PlannerPolicy:
+                 interval: float, prior_scale: float = 1.0, idle_after: float | None = None) -> PlannerPolicy:
+    """The planner as the operator configures it; idle_after: scale to zero (min 0 per phase)."""
     from phasesplit.operator.planner.planner import PhaseLimits
 
+    low = 0 if idle_after is not None else 1
+
+    # The reaction time is the slower phase's start-up (a burst needs both phases), as the
+    # operator feeds the planner its measured start-up.
     cfg = PlannerConfig(ttft_s=ttft, itl_s=itl, percentile=percentile, interval_s=interval,
-                        prefill=PhaseLimits(1, max_replicas), decode=PhaseLimits(1, max_replicas))
+                        prefill=PhaseLimits(low, max_replicas), decode=PhaseLimits(low, max_replicas),
+                        startup_s=max(p.startup("prefill"), p.startup("decode")), idle_after_s=idle_after)
     return PlannerPolicy(Planner(cfg, planner_model(p, prior_scale)))

@@ -40,6 +40,10 @@ class SimProfile:
     dtype_bytes: int = 2
     kv_cache_bytes: float = 20e9
     startup_s: float = 60.0
+    # Per-phase start-up where the phases differ (None: startup_s), e.g. decode pods that also
+    # allocate a larger KV cache, or `--startup prefill=15s,decode=30s`.
+    prefill_startup_s: float | None = None
+    decode_startup_s: float | None = None
     transfer_bytes_per_s: float = 10e9
     transfer_latency_s: float = 0.002
     prefill_chunk_tokens: int = 2048  # the engine's token budget per step (--max-num-batched-tokens)
@@ -64,6 +68,11 @@ class SimProfile:
     @property
     def kv_capacity_tokens(self) -> float:
         return self.decode_profile.kv_capacity_tokens
+
+    def startup(self, phase: str) -> float:
+        """A new replica's time from creation to ready in this phase."""
+        own = self.prefill_startup_s if phase == "prefill" else self.decode_startup_s
+        return self.startup_s if own is None else own
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -68,7 +68,21 @@ def summarize(sim: Simulation, name: str, workload: str, warmup: float = 0.0) ->
         "ttft_p95_s": quantile([o.ttft for o in done], 0.95),
         "itl_p95_s": quantile([o.itl for o in done if o.osl > 1], 0.95),
         "scale_events": sum(1 for _ in _changes(sim)),
+        **_held(counted),
     }
+
+
+def _held(counted: list) -> dict:
+    """Requests the router held while a phase was at zero: how many, whether each got its first
+    token, and their TTFT (start-up + up to one interval is the price of zero)."""
+    held = [o for o in counted if o.held]
+    if not held:
+        return {}
+    answered = [o for o in held if not math.isnan(o.first_token)]
+    return {"held": {"requests": len(held), "answered": len(answered),
+                     "ttft_p50_s": quantile([o.ttft for o in answered], 0.5),
+                     "ttft_p95_s": quantile([o.ttft for o in answered], 0.95),
+                     "ttft_max_s": max((o.ttft for o in answered), default=None)}}
 
 
 def _changes(sim: Simulation):

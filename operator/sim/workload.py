@@ -9,7 +9,7 @@ from pathlib import Path
 
 from phasesplit.runtime.bench import workload as bench_workload
 
-GENERATED = ("steady", "bursty", "diurnal", "shift")
+GENERATED = ("steady", "bursty", "diurnal", "shift", "idle")
 
 
 @dataclass(frozen=True)
@@ -35,8 +35,9 @@ def _poisson(rng: random.Random, rate_at, peak: float, duration: float):
 
 
 def generate(kind: str, duration: float, rate: float, seed: int) -> list[Request]:
-    """steady: Poisson at `rate`; bursty: 3× bursts of 2-5 min at random; diurnal: one
-    compressed day (0.3×-1.7× of `rate`); shift: short prompts then long prompts."""
+    """steady: Poisson at `rate`; bursty: 2.5× bursts of 3-6 min at random; diurnal: one
+    compressed day (0.3×-1.7× of `rate`); shift: short prompts then long prompts; idle: sessions
+    of 2-5 min separated by 4-12 min of silence."""
     rng = random.Random(seed)
     if kind == "steady":
         rate_at, peak = (lambda t: rate), rate
@@ -62,6 +63,18 @@ def generate(kind: str, duration: float, rate: float, seed: int) -> list[Request
         peak = rate * 1.7
     elif kind == "shift":
         rate_at, peak = (lambda t: rate), rate
+    elif kind == "idle":
+        # Sessions of 2-5 minutes at 0.5-1× the rate separated by 4-12 minutes of silence (what
+        # scale to zero is for: an internal tool, a batch job's bursts, a night).
+        sessions, t = [], rng.uniform(60, 180)
+        while t < duration:
+            length = rng.uniform(120, 300)
+            sessions.append((t, t + length, rate * rng.uniform(0.5, 1.0)))
+            t += length + rng.uniform(240, 720)
+
+        def rate_at(t: float) -> float:
+            return next((r for a, b, r in sessions if a <= t < b), 0.0)
+        peak = rate
     else:
         raise ValueError(f"unknown workload {kind!r}: use {', '.join(GENERATED)} or a trace CSV file")
     out = []

@@ -64,7 +64,26 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
     ("tensor-parallel-zero", {"prefill": {"tensorParallelSize": 0}}, "spec.prefill.tensorParallelSize"),
     ("tensor-parallel-gpus-differ", {"decode": {"tensorParallelSize": 2, "resources": {"limits": {"nvidia.com/gpu": 1}}}},
      "spec.decode.resources.limits"),
+    ("min-zero-without-scale-to-zero", {"decode": {"minReplicas": 0}}, "spec.decode.minReplicas"),
+    ("idle-after-not-a-duration", {"prefill": {"minReplicas": 0}, "autoscaling": {"scaleToZero": {"idleAfter": "soon"}}},
+     "spec.autoscaling.scaleToZero.idleAfter"),
 ]
+
+
+def test_min_zero_is_legal_with_scale_to_zero_and_in_hpa_mode():
+    spec = api.InferenceServiceSpec.model_validate(merged(MINIMAL, {
+        "prefill": {"minReplicas": 0}, "decode": {"minReplicas": 0},
+        "autoscaling": {"scaleToZero": {"idleAfter": "5m"}}}))
+    assert spec.prefill.bounds()[0] == spec.decode.bounds()[0] == 0
+    assert spec.autoscaling.scale_to_zero.hold_timeout == "120s"
+    from phasesplit.operator.metrics.autoscale import planner_config
+
+    cfg = planner_config(spec)
+    # Off in the operator until the router holds requests (docs/autoscaling.md): min 0 means 1.
+    assert (cfg.idle_after_s, cfg.prefill.min_replicas, cfg.local_prefill) == (None, 0, False)
+    # HPA mode renders minReplicas 0 as 1 (no HPAScaleToZero gate): legal, documented, not zero.
+    api.InferenceServiceSpec.model_validate(merged(MINIMAL, {"decode": {"minReplicas": 0},
+                                                             "autoscaling": {"mode": "HPA"}}))
 
 
 def test_minimal_object_means_what_the_issue_says():

@@ -426,3 +426,145 @@ def test_a_rise_that_outruns_capacity_is_extrapolated_and_not_held_for_confirmat
     absorbed, d = climb(backlog=False)
     assert plan_rate(d) is None
     assert absorbed["prefill"] < short["prefill"]
+
+
+# ---- burst memory (issue 15 acceptance 5) ----------------------------------------------------
+
+def _bursts(periods: int, gap_s: int = 600, burst_s: int = 180, base: float = 8.0, peak: float = 26.0,
+            tail_s: int = 3600):
+    """Rates every 15 s: `periods` bursts (base → peak for burst_s) every gap_s, then base only."""
+    out = []
+    for t in range(0, periods * gap_s + tail_s, 15):
+        k, phase = divmod(t, gap_s)
+        out.append((t, peak if k < periods and 300 <= phase < 300 + burst_s else base))
+    return out
+
+
+def test_burst_memory_learns_gaps_and_lets_go_within_the_decay():
+    from phasesplit.operator.planner.bursts import BurstMemory
+
+    mem = BurstMemory(interval_s=15.0, reaction_s=75.0, decay=1.5)
+    held, seen = [], []
+    for t, rate in _bursts(4):
+        mem.observe(t, rate)
+        held.append((t, mem.headroom(t, rate)))
+        if t == 4 * 600 + 300:
+            seen = list(mem.bursts)
+    assert len(seen) == 4, [(b.start, b.end) for b in seen]
+    starts = [b.start for b in seen]
+    assert [b - a for a, b in zip(starts, starts[1:], strict=False)] == pytest.approx([600.0] * 3, abs=15)
+    last_end = seen[-1].end
+    # Memory is bounded: an hour later nothing is remembered.
+    assert mem.bursts == []
+    # Through every lull between recurring bursts the peak is kept...
+    lulls = [h for t, h in held if 900 <= t < 4 * 600 and t % 600 < 300 and t > 600]
+    assert lulls and all(h.rate > 8.0 * 2 for h in lulls)
+    # ...and once they stop it is let go within the decay (1.5 × the 600 s gap), not later.
+    assert all(h.rate > 16.0 for t, h in held if last_end < t <= last_end + 1.5 * 600 - 15)
+    assert all(h.rate == 8.0 and h.until is None for t, h in held if t > last_end + 1.5 * 600)
+
+
+def test_steady_noise_and_slow_drift_make_no_bursts():
+    from phasesplit.operator.planner.bursts import BurstMemory
+
+    rng = random.Random(3)
+    mem = BurstMemory(interval_s=15.0, reaction_s=75.0)
+    for t in range(0, 7200, 15):
+        mem.observe(t, rng.gauss(20.0, math.sqrt(20.0 / 15)))  # Poisson noise of a 15 s window
+    assert mem.bursts == []
+    drift = BurstMemory(interval_s=15.0, reaction_s=75.0)
+    for t in range(0, 3600, 15):  # 6 → 34/s over an hour (diurnal's steepest slope, ×2)
+        drift.observe(t, 20.0 - 14.0 * math.cos(math.pi * t / 3600))
+    assert drift.bursts == []
+
+
+def test_planner_keeps_capacity_for_recurring_bursts_and_releases_it_when_they_stop():
+    def lull_counts(periods: int) -> list[tuple[float, dict[str, int]]]:
+        planner = Planner(PlannerConfig(interval_s=15.0, prefill=PhaseLimits(1, 40), decode=PhaseLimits(1, 40)),
+                          frozen_model())
+        current, out = {"prefill": 1, "decode": 1}, []
+        for t, rate in _bursts(periods):
+            current = planner.plan(snap(t, rate=rate, isl=1000.0, osl=200.0), current, t).desired
+            out.append((t, dict(current)))
+        return out, planner
+
+    recurring, planner = lull_counts(4)
+    quiet, _ = lull_counts(0)
+    base = quiet[-1][1]
+    # Just before the 4th burst (a lull after three): more than the lull alone needs.
+    before_4th = dict(recurring)[3 * 600 + 285]
+    assert before_4th["prefill"] > base["prefill"] or before_4th["decode"] > base["decode"]
+    # After the last burst: released within the decay (1.5 × 600 s) plus the scale-down window (300 s).
+    last_end = 3 * 600 + 300 + 180 + 30  # the 4th burst's end, seen one smoothed window late
+    after = [c for t, c in recurring if t > last_end + 1.5 * 600 + 300 + 30]
+    assert after and all(c == base for c in after), (base, after[:3])
+
+
+# ---- scale to zero (issue 15 points 2 and acceptance 5) --------------------------------------
+
+def _zero_planner(**kw) -> Planner:
+    cfg = PlannerConfig(interval_s=15.0, idle_after_s=120.0, prefill=PhaseLimits(0, 8), decode=PhaseLimits(0, 8), **kw)
+    return Planner(cfg, frozen_model())
+
+
+def _idle(t: float, **kw) -> MetricsSnapshot:
+    base = dict(rate=0.0, ttft_p=None, ttft_mean=None, itl_p=None, itl_mean=None, decode_running=0.0,
+                kv_usage=0.0, window_s=15.0)
+    base.update(kw)
+    return snap(t, **base)
+
+
+def test_idle_phases_go_to_zero_after_idle_after_and_not_before():
+    planner = _zero_planner()
+    current = {"prefill": 2, "decode": 2}
+    at_zero = None
+    for t in range(15, 400, 15):
+        d = planner.plan(_idle(t), current, t)
+        current = d.desired
+        if current == {"prefill": 0, "decode": 0} and at_zero is None:
+            at_zero = t
+            assert "scaled to zero after" in d.prefill.reason and "scaled to zero after" in d.decode.reason
+            assert ("ScaledToZero", True) == d.conditions[-1][:2]
+    # Idle since the first window's start (t=0): zero at the first step 120 s on, not earlier.
+    assert at_zero == 120
+
+
+def test_without_idle_after_min_zero_still_means_one():
+    planner = Planner(PlannerConfig(interval_s=15.0, prefill=PhaseLimits(0, 8), decode=PhaseLimits(0, 8)),
+                      frozen_model())
+    current = {"prefill": 1, "decode": 1}
+    for t in range(15, 1200, 15):
+        current = planner.plan(_idle(t), current, t).desired
+    assert current == {"prefill": 1, "decode": 1}
+
+
+def test_held_requests_wake_both_phases_within_one_interval():
+    planner = _zero_planner()
+    current = {"prefill": 0, "decode": 0}
+    for t in range(15, 300, 15):
+        d = planner.plan(_idle(t), current, t)
+        assert d.desired == current  # stays asleep, past any behavior rule
+    d = planner.plan(_idle(300, held_requests=3.0, rate=0.2), current, 300)
+    assert d.desired == {"prefill": 1, "decode": 1}
+    assert d.prefill.reason == d.decode.reason == "woken by 3 held requests"
+    # Decode alone where decode may prefill locally.
+    local = _zero_planner(local_prefill=True)
+    d = local.plan(_idle(15, held_requests=1.0), {"prefill": 0, "decode": 0}, 15)
+    assert d.desired == {"prefill": 0, "decode": 1}
+
+
+@pytest.mark.parametrize("busy", [dict(held_requests=1.0), dict(decode_running=2.0), dict(prefill_queue_tokens=500.0),
+                                  dict(decode_waiting=1.0), dict(rate=0.1)])
+def test_nothing_scales_to_zero_while_requests_are_held_or_in_flight(busy):
+    planner = _zero_planner()
+    current = {"prefill": 1, "decode": 1}
+    for t in range(15, 600, 15):
+        # Idle all along but for one thing still held, running or queued at each window's end.
+        current = planner.plan(_idle(t, **busy), current, t).desired
+        assert current["prefill"] >= 1 and current["decode"] >= 1, (t, busy)
+    # Once it is gone, the idle clock runs from the last window end that saw it (585 s); zero
+    # comes idleAfter (120 s) after that, not before.
+    for t in range(600, 585 + 120, 15):
+        current = planner.plan(_idle(t), current, t).desired
+        assert current != {"prefill": 0, "decode": 0}
+    assert planner.plan(_idle(585 + 120), current, 585 + 120).desired == {"prefill": 0, "decode": 0}

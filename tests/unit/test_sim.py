@@ -193,3 +193,29 @@ def test_decode_binds_at_arrival_so_new_replicas_take_new_requests():
     assert all(o.ttft < 1.0 for o in sim.out[150:]), "new arrivals do not queue behind the stranded ones"
     assert max(o.ttft for o in sim.out[:150]) > 10.0
     assert all(not math.isnan(o.done) for o in sim.out)
+
+
+def test_scale_to_zero_holds_requests_at_the_router_and_answers_every_one():
+    # Two sessions 15 minutes apart: the planner (idleAfter 60 s) takes both phases to zero
+    # between them; the second session's first requests are held by the router until the phases
+    # are back (one tick + start-up), and every request gets its first token and finishes.
+    prof = replace(P, startup_s=20.0)
+    first = [r for r in generate("steady", 120, 4.0, 7)]
+    second = [Request(r.arrival + 900, r.isl, r.osl) for r in generate("steady", 120, 4.0, 8)]
+    policy = make_planner(prof, 0.5, 0.05, 0.95, 8, 15.0, idle_after=60.0)
+    sim = Simulation(first + second, prof, policy, {"prefill": 1, "decode": 1}, 15.0, 0.5, 0.05,
+                     duration=1200).run()
+    assert all(not math.isnan(o.done) for o in sim.out)
+    zero = [s for s in sim.samples if 400 < s.t < 880]
+    assert zero and all((s.prefill, s.decode) == (0, 0) for s in zero)
+    held = [o for o in sim.out if o.held]
+    assert held and all(o.arrival >= 900 for o in held)
+    # Held for at most one interval (until the tick sees them) plus the start-up, plus the one
+    # interval the wake-up size allows for draining what piled up meanwhile.
+    assert all(o.ttft <= 15.0 + prof.startup_s + 15.0 for o in held), \
+        sorted(o.ttft for o in held)[-3:]
+    assert any("scaled to zero after" in why for _, why in policy.log)
+    assert any("woken by" in why for _, why in policy.log)
+    # Less than a static 1+1 over the same span: the phases slept most of the gap.
+    rs = sim.replica_seconds()
+    assert rs["total"] < 2 * 1200 * 0.75

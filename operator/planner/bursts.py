@@ -1,0 +1,107 @@
+"""Burst memory: capacity for flash crowds only while they keep recurring.
+
+A reactive planner is one reaction time (interval + replica start-up) behind the load. When the
+request rate has been seen to multiply within that time, the next such burst will rise faster
+than new replicas can start, so some capacity for it must already be there. Holding it forever
+(or for a fixed memory) costs every lull after the last burst; holding none fails every burst.
+
+This module learns the bursts themselves: a burst starts when the smoothed rate rises beyond
+Poisson noise (3σ) within one reaction time, its peak is the highest rate until the rate falls
+back to where it started (a rise of less than `min_jump` is a drift), and the gaps between burst starts are remembered. Headroom for the
+remembered peak is kept until `decay` times the longest learned gap has passed since the last
+burst ended (or `first_hold_s` while only one burst has been seen): bursts that keep coming keep
+their capacity; once they stop, the memory lets go within that time. Pure: time is passed in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Burst:
+    start: float
+    base: float  # smoothed rate before the rise
+    peak: float
+    end: float | None = None  # when the rate fell back to the base (None: still on)
+
+
+@dataclass(frozen=True)
+class Headroom:
+    rate: float  # rate to keep capacity for (≥ the current rate)
+    factor: float  # the remembered bursts' largest peak ÷ base
+    rising: bool  # a burst is under way now (the newest rate is its peak so far)
+    until: float | None  # when the memory lets go if no burst comes (None: nothing held)
+    note: str = ""
+
+
+@dataclass
+class BurstMemory:
+    interval_s: float
+    reaction_s: float  # interval + replica start-up: how far behind a reactive planner is
+    memory_s: float = 3600.0  # bursts older than this are forgotten whatever the gaps say
+    decay: float = 1.5  # hold headroom this many longest gaps after the last burst ended
+    first_hold_s: float = 900.0  # hold after a single burst (no gap learned yet)
+    max_factor: float = 3.0
+    # A rise smaller than this (beyond noise) within a reaction time is absorbed by the slack the
+    # sizing keeps anyway (its latency margin and scale-down tolerance): a drift, not a burst.
+    min_jump: float = 0.2
+    rates: deque[tuple[float, float]] = field(default_factory=deque)  # (time, smoothed rate)
+    bursts: list[Burst] = field(default_factory=list)
+    _last_raw: float | None = None
+
+    def noise(self, rate: float) -> float:
+        """3σ of a Poisson rate measured over two windows."""
+        return 3 * math.sqrt(max(rate, 0.0) / (2 * self.interval_s))
+
+    def observe(self, now: float, rate: float) -> None:
+        smooth = rate if self._last_raw is None else (rate + self._last_raw) / 2
+        self._last_raw = rate
+        self.rates.append((now, smooth))
+        while self.rates and self.rates[0][0] < now - self.reaction_s:
+            self.rates.popleft()
+        while self.bursts and (self.bursts[0].end or now) < now - self.memory_s:
+            self.bursts.pop(0)
+        cur = self.bursts[-1] if self.bursts and self.bursts[-1].end is None else None
+        if cur is not None:
+            cur.peak = max(cur.peak, smooth)
+            # Over when the rate is back within noise of where the burst started.
+            if smooth <= cur.base + self.noise(cur.base):
+                cur.end = now
+            return
+        # A new burst: a rise beyond noise within one reaction time from its low.
+        low_t, low = min(self.rates, key=lambda x: (x[1], -x[0]))
+        if low_t < now and low > 0 and smooth - self.noise(low) > low * (1 + self.min_jump):
+            self.bursts.append(Burst(start=low_t, base=low, peak=smooth))
+
+    def hold_s(self) -> float:
+        """How long after the last burst ended its headroom is kept."""
+        starts = [b.start for b in self.bursts]
+        gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+        return self.decay * max(gaps) if gaps else self.first_hold_s
+
+    def headroom(self, now: float, rate: float) -> Headroom:
+        """The rate to keep capacity for now (the current rate when no burst memory applies)."""
+        if not self.bursts:
+            return Headroom(rate, 1.0, False, None)
+        last = self.bursts[-1]
+        # Under way with its peak unknown: rising, and already beyond every earlier burst's peak
+        # (a recurring burst is expected to rise to where its predecessors went, no further).
+        known = max((b.peak for b in self.bursts[:-1]), default=0.0)
+        # A burst open for longer than two reaction times has become a level: new highs in it are
+        # drift, not a rise to extrapolate.
+        rising = (last.end is None and self.rates[-1][1] >= last.peak and last.peak > known
+                  and now - last.start <= 2 * self.reaction_s)
+        until = None if last.end is None else last.end + self.hold_s()
+        if until is not None and now > until:
+            return Headroom(rate, 1.0, False, None, "burst memory released")
+        # The jump beyond noise, as the surge it proved possible (a steady load's noise earns ~none).
+        factor = min(max((b.peak - self.noise(b.base)) / b.base for b in self.bursts), self.max_factor)
+        peak = max(b.peak for b in self.bursts)
+        target = max(rate, min(rate * factor, peak))
+        n = len(self.bursts)
+        note = (f"{n} burst{'s' * (n != 1)} remembered, peak {peak:.1f} req/s"
+                + (f", held until {until - now:.0f}s from now" if until is not None else ", one under way"))
+        return Headroom(target, factor, rising, until, note)
