@@ -578,7 +578,9 @@ def test_two_operators_only_one_acts(operator: Operator, kube_cluster: KubeClust
         view.apply(isvc("pair", merged(MINIMAL, {"decode": {"replicas": 3}})))
         wait_until("the change applied by the new leader",
                    lambda: view.deployment("pair-decode").spec.replicas == 3)
-        assert f"{namespace}/pair: applied" in second.since_start()
+        # The apply lands before the operator logs it: wait for the line rather than race it.
+        wait_until("the new leader's apply in its log",
+                   lambda: f"{namespace}/pair: applied" in second.since_start(), timeout=30)
     finally:
         second.kill(signal.SIGTERM)  # hands the Lease over at once
         operator.start()
