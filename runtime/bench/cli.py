@@ -14,6 +14,9 @@ import os
 import sys
 from datetime import datetime, timezone
 
+# One definition of the flag check; runtime/cli.py imports nothing heavy.
+from phasesplit.runtime.cli import positive_int
+
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
@@ -33,16 +36,6 @@ def _rates(text: str) -> list[float]:
         return parse_rates(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
 
 
 def _positive_float(text: str) -> float:
@@ -75,13 +68,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
     w.add_argument("--workload", choices=("fixed", "mixed", "trace"), default=None,
                    help="fixed lengths, mixed chat + long documents, or --trace (default: trace if --trace, else fixed)")
-    w.add_argument("--num-prompts", type=_positive_int, default=100, help="measured requests per rate")
-    w.add_argument("--input-len", type=_positive_int, default=1024, help="fixed: prompt tokens")
-    w.add_argument("--output-len", type=_positive_int, default=128, help="fixed: output tokens")
-    w.add_argument("--chat-input-len", type=_positive_int, default=128)
-    w.add_argument("--chat-output-len", type=_positive_int, default=64)
-    w.add_argument("--doc-input-len", type=_positive_int, default=1536)
-    w.add_argument("--doc-output-len", type=_positive_int, default=32)
+    w.add_argument("--num-prompts", type=positive_int, default=100, help="measured requests per rate")
+    w.add_argument("--input-len", type=positive_int, default=1024, help="fixed: prompt tokens")
+    w.add_argument("--output-len", type=positive_int, default=128, help="fixed: output tokens")
+    w.add_argument("--chat-input-len", type=positive_int, default=128)
+    w.add_argument("--chat-output-len", type=positive_int, default=64)
+    w.add_argument("--doc-input-len", type=positive_int, default=1536)
+    w.add_argument("--doc-output-len", type=positive_int, default=32)
     w.add_argument("--doc-fraction", type=float, default=0.2, help="mixed: share of long-document requests")
     w.add_argument("--range-ratio", type=float, default=0.25,
                    help="mixed: lengths drawn uniformly within +-this fraction")
@@ -90,8 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--trace-time-scale", type=_positive_float, default=1.0,
                    help="trace: multiply arrival times (2 = half the rate)")
     w.add_argument("--trace-token-scale", type=_positive_float, default=1.0, help="trace: multiply token counts")
-    w.add_argument("--max-input-len", type=_positive_int, default=None, help="trace: clip prompt lengths")
-    w.add_argument("--max-output-len", type=_positive_int, default=None, help="trace: clip output lengths")
+    w.add_argument("--max-input-len", type=positive_int, default=None, help="trace: clip prompt lengths")
+    w.add_argument("--max-output-len", type=positive_int, default=None, help="trace: clip output lengths")
 
     lo = p.add_argument_group("load")
     lo.add_argument("--request-rate", type=_rates, default=None,
@@ -99,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          "(default: inf, or the trace's own arrival times with --trace)")
     lo.add_argument("--burstiness", type=_positive_float, default=1.0,
                     help="gamma shape of arrival gaps: 1 Poisson, <1 burstier, >1 steadier")
-    lo.add_argument("--max-concurrency", type=_positive_int, default=None,
+    lo.add_argument("--max-concurrency", type=positive_int, default=None,
                     help="most requests in flight; with rate inf this is a closed loop")
     lo.add_argument("--warmup", type=int, default=2, help="requests sent and discarded before measuring")
     lo.add_argument("--seed", type=int, default=0)
