@@ -87,6 +87,8 @@ def test_fail_policy_fails_the_request_naming_both_layouts(logs, prompts, block3
         body = {"model": MODEL, "prompt": prompts[0], "max_tokens": 8, "temperature": 0, "stream": True}
         errors = []
         with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=90) as r:
+            if r.status_code >= 400:  # failed before its first token: an HTTP error in OpenAI's shape
+                errors.append(json.loads(r.read())["error"]["message"])
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]" and "error" in json.loads(line[6:]):
                     errors.append(json.loads(line[6:])["error"]["message"])

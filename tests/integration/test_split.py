@@ -186,6 +186,8 @@ def test_kill_prefill_worker_mid_flight(logs, prompts):
 def _outcome(url: str, ids: list[int]) -> str:
     body = {"model": MODEL, "prompt": ids, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=90) as r:
+        if r.status_code >= 400:  # failed before its first token: an HTTP error in OpenAI's shape
+            return "error" if "error" in json.loads(r.read()) else "cut"
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 if "error" in json.loads(line[6:]):
