@@ -14,7 +14,7 @@ import pytest
 from phasesplit.runtime import metric_names as names
 from phasesplit.runtime.model.loader import resolve
 from phasesplit.runtime.model.tokenizer import TextTokenizer
-from tests.procs import serve
+from tests.procs import INTERNAL, serve
 from tests.prompts import CHAT, RAW, chat_prompt
 
 MODEL = "smollm2-135m-instruct"
@@ -97,7 +97,8 @@ def test_split_with_different_tp_sizes_equals_tp1(logs, prompts, reference, pref
         assert metric(decode.url, names.KV_BYTES) > 0
         assert metric(decode.url, names.LOCAL_PREFILL) == 0
         assert metric(decode.url, names.KV_TRANSFER_FAILURES) == 0
-        state = httpx.get(decode.url + "/debug/state", timeout=5).json()
+        # /debug/* of a split worker needs the internal secret, as /internal/* does.
+        state = httpx.get(decode.url + "/debug/state", headers=INTERNAL, timeout=5).json()
         assert state["allocated_blocks"] == 0 or state["requests"] == 0
     finally:
         for p in (router, decode, prefill):
