@@ -24,6 +24,10 @@ from phasesplit.runtime.units import rfc3339
 FIELD_MANAGER = "phasesplit-operator"
 # (connect, read) seconds for every call: a hung API server must not hold a worker forever.
 REQUEST_TIMEOUT = (5.0, 30.0)
+# Lease calls must give up well inside the leader's renew deadline (10 s; the Lease lasts 15 s):
+# with the 30 s read timeout a holder stuck in a renew against a hung API server could not step
+# down before another candidate took the expired Lease.
+LEASE_TIMEOUT = (2.0, 4.0)
 # Worth trying again at once: a create race (409), throttling (429), a busy or restarting server.
 TRANSIENT = frozenset({409, 429, 500, 502, 503, 504})
 KINDS = {k.kind: k for k in render.CHILD_KINDS}
@@ -86,13 +90,14 @@ class Kube:
         self.api = api_client
 
     def _call(self, method: str, path: str, body: Any = None, query: Sequence[tuple[str, Any]] = (),
-              content_type: str = "application/json") -> dict[str, Any]:
+              content_type: str = "application/json",
+              timeout: tuple[float, float] = REQUEST_TIMEOUT) -> dict[str, Any]:
         method, url, headers, body, post = self.api.param_serialize(
             method=method, resource_path=path, query_params=list(query), body=body,
             header_params={"Accept": "application/json", "Content-Type": content_type},
             auth_settings=["BearerToken"])
         resp = self.api.call_api(method, url, header_params=headers, body=body, post_params=post,
-                                 _request_timeout=REQUEST_TIMEOUT)
+                                 _request_timeout=timeout)
         data = resp.read()
         if not 200 <= resp.status <= 299:
             raise ApiException(status=resp.status, reason=resp.reason, body=data.decode(errors="replace"))
@@ -181,16 +186,18 @@ class Kube:
 
     def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return self._call("GET", f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases/{name}")
+            return self._call("GET", f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases/{name}",
+                              timeout=LEASE_TIMEOUT)
         except ApiException as e:
             if e.status == 404:
                 return None
             raise
 
     def create_lease(self, namespace: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        return self._call("POST", f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases", body=dict(body))
+        return self._call("POST", f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases", body=dict(body),
+                          timeout=LEASE_TIMEOUT)
 
     def replace_lease(self, namespace: str, name: str, body: Mapping[str, Any]) -> dict[str, Any]:
         """PUT with the body's resourceVersion: fails with 409 if another holder wrote first."""
         return self._call("PUT", f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases/{name}",
-                          body=dict(body))
+                          body=dict(body), timeout=LEASE_TIMEOUT)
