@@ -23,6 +23,7 @@ import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from tests import waiting
 from tests.kubecluster import CLUSTER_SH, KubeCluster
 
 pytestmark = pytest.mark.cluster
@@ -32,15 +33,7 @@ GPU = "nvidia.com/gpu"
 
 
 def wait_until(what: str, probe: Callable[[], T | None], timeout: float = 60.0, interval: float = 0.25) -> T:
-    """Polls probe until it returns something truthy, which is returned; fails after timeout."""
-    deadline = time.monotonic() + timeout
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(interval)
-    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+    return waiting.wait_until(what, probe, timeout, interval)
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from phasesplit.operator import api, render
 from phasesplit.runtime import metric_names as names
+from tests import waiting
 from tests.kubecluster import KubeCluster
 from tests.unit.test_operator_api import INVALID_SPECS, MINIMAL, merged
 
@@ -48,14 +49,7 @@ T = TypeVar("T")
 
 
 def wait_until(what: str, probe: Callable[[], T | None], timeout: float = 90.0, interval: float = 0.25) -> T:
-    deadline = time.monotonic() + timeout
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(interval)
-    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+    return waiting.wait_until(what, probe, timeout, interval)
 
 
 def denials(log: str) -> list[str]:

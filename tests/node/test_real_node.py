@@ -34,6 +34,7 @@ import httpx
 import pytest
 import yaml
 
+from tests import waiting
 from tests.kubecluster import KubeCluster
 from tests.procs import Proc, free_port
 
@@ -58,14 +59,7 @@ T = TypeVar("T")
 
 
 def wait_until(what: str, probe: Callable[[], T | None], timeout: float = 180.0, interval: float = 0.25) -> T:
-    deadline = time.monotonic() + timeout
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(interval)
-    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+    return waiting.wait_until(what, probe, timeout, interval)
 
 
 def sh(*cmd: str, env: dict[str, str] | None = None, timeout: float = 1800) -> subprocess.CompletedProcess[str]:
