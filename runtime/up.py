@@ -11,6 +11,7 @@ would restart its pod, while the others keep serving; only the user's signal sto
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import secrets
 import signal
@@ -75,6 +76,12 @@ def exit_reason(returncode: int) -> str:
     return f"exited with status {returncode}"
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it (it drains, then exits) when `up` dies, even by
+    SIGKILL, so no worker outlives the process that owns its port (PR_SET_PDEATHSIG)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+
+
 class Child:
     def __init__(self, role: str, argv: list[str], cpus: set[int] | None, url: str, env: dict[str, str]) -> None:
         self.role, self.url, self.env = role, url, env
@@ -86,7 +93,8 @@ class Child:
         self.start()
 
     def start(self) -> None:
-        self.p = subprocess.Popen(self.cmd, start_new_session=True, env=self.env)
+        self.p = subprocess.Popen(self.cmd, start_new_session=True, env=self.env,
+                                  preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         self.started = time.monotonic()
         self.restart_at = None
 
@@ -152,6 +160,9 @@ def up(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    # Explicitly: a process started in the background by a non-interactive shell inherits SIGINT
+    # ignored, and Python then leaves it so: Ctrl-C sent to it (a harness's SIGINT) did nothing.
+    signal.signal(signal.SIGINT, on_signal)
     try:
         urls: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
         for (role, extra), cpus in zip(workers, cpu_sets, strict=True):

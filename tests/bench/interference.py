@@ -44,8 +44,12 @@ def run_one(label: str, up_args: list[str], bench_args: list[str], out: Path, po
                         "--label", label, "--output-json", str(path), "--no-progress"], check=True)
         return json.loads(path.read_text())
     finally:
-        os.killpg(up.pid, signal.SIGINT)
-        up.wait(timeout=30)
+        os.killpg(up.pid, signal.SIGTERM)  # the workers drain (nothing is in flight) and exit
+        try:
+            up.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(up.pid, signal.SIGKILL)  # its workers get SIGTERM as their parent dies
+            up.wait()
 
 
 def chat_stats(doc: dict) -> dict:

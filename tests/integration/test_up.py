@@ -20,11 +20,18 @@ def _children(pid: int) -> set[int]:
     return {int(x) for x in out.split()}
 
 
-def _run_up(extra: list[str], log) -> tuple[list[str], set[int]]:
+def _ignore_sigint() -> None:
+    # As a non-interactive shell starts a background job: SIGINT ignored, inherited through exec.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _run_up(extra: list[str], log, stop: int = signal.SIGTERM, background: bool = False,
+            prompts: list[str] = PROMPTS) -> tuple[list[str], set[int]]:
     port = free_port()
     p = subprocess.Popen([sys.executable, "-m", "phasesplit.runtime.cli", "up", "--port", str(port), "--dtype",
                           "float32", "--kv-cache-memory", "128MiB", "--log-level", "warning", *extra],
-                         stdout=subprocess.PIPE, stderr=log, text=True)
+                         stdout=subprocess.PIPE, stderr=log, text=True,
+                         preexec_fn=_ignore_sigint if background else None)
     try:
         deadline = time.monotonic() + 240
         lines = []
@@ -36,13 +43,13 @@ def _run_up(extra: list[str], log) -> tuple[list[str], set[int]]:
         kids = _children(p.pid)
         assert len(kids) == (1 if "--colocated" in extra else 3), lines
         texts = []
-        for prompt in PROMPTS:
+        for prompt in prompts:
             r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120, json={
                 "model": "smollm2-135m-instruct", "prompt": prompt, "max_tokens": 16, "temperature": 0})
             assert r.status_code == 200, r.text
             texts.append(r.json()["choices"][0]["text"])
     finally:
-        p.send_signal(signal.SIGTERM)
+        p.send_signal(stop)
         p.wait(timeout=60)
     return texts, kids
 
@@ -62,3 +69,17 @@ def test_up_split_and_colocated_agree_and_stop_cleanly(tmp_path):
     assert split == colocated
     time.sleep(0.5)
     assert not [k for k in kids_split | kids_colo if _alive(k)], "SIGTERM must stop every child"
+
+
+def test_up_stops_on_sigint_in_the_background_and_no_worker_outlives_it(tmp_path):
+    """Ctrl-C (SIGINT) stops `up` even when it inherited SIGINT ignored (started in the background
+    by a script; it used to ignore it and a harness's SIGINT left every worker running), and a
+    SIGKILLed `up` takes its workers with it (they drain and exit) instead of leaving them on their
+    ports."""
+    with open(tmp_path / "up.log", "w") as log:
+        _, kids_int = _run_up(["--colocated"], log, stop=signal.SIGINT, background=True, prompts=PROMPTS[:1])
+        _, kids_kill = _run_up([], log, stop=signal.SIGKILL, prompts=PROMPTS[:1])
+    deadline = time.monotonic() + 30
+    while [k for k in kids_int | kids_kill if _alive(k)] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [k for k in kids_int | kids_kill if _alive(k)], "a worker outlived `up`"
