@@ -131,9 +131,12 @@ class PhasesplitEngine:
         from phasesplit.runtime.request import SamplingParams
 
         self.SamplingParams = SamplingParams
-        self.eng = LLMEngine("smollm2", EngineConfig(runner=RunnerConfig(dtype="bfloat16", kv_cache_memory=1 << 30),
+        # PHASESPLIT_BENCH_DTYPE=float32 on CPUs without AVX512-BF16, where bf16 matmuls run in torch's
+        # slow emulation (the engine's own kernels need AVX512-BF16) and fp32 is the engine's real path.
+        dtype = os.environ.get("PHASESPLIT_BENCH_DTYPE", "bfloat16")
+        self.eng = LLMEngine("smollm2", EngineConfig(runner=RunnerConfig(dtype=dtype, kv_cache_memory=1 << 30),
                                                      max_num_seqs=64, max_num_batched_tokens=2048))
-        self.config = ("LLMEngine('smollm2', EngineConfig(runner=RunnerConfig(dtype='bfloat16', kv_cache_memory=1<<30), "
+        self.config = (f"LLMEngine('smollm2', EngineConfig(runner=RunnerConfig(dtype='{dtype}', kv_cache_memory=1<<30), "
                        "max_num_seqs=64, max_num_batched_tokens=2048)); OpenMP waits: "
                        + " ".join(f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ))
 
