@@ -7,6 +7,7 @@
 #   etcd                                                            go.etcd.io/etcd/server/v3 (the version k8s pins)
 #   kwok                                                            sigs.k8s.io/kwok/cmd/kwok
 #   helm                                                            helm.sh/helm/v3/cmd/helm
+#   kube-state-metrics (the dashboard's replica panels read it)      k8s.io/kube-state-metrics/v2
 #   kubelet kube-proxy (only with `node`: hack/node.sh's real node)  k8s.io/kubernetes
 #
 #   hack/kube-tools.sh          the control-plane tools
@@ -25,6 +26,8 @@ set -euo pipefail
 KUBE_VERSION=${PHASESPLIT_KUBE_VERSION:-v1.36.3}
 KWOK_VERSION=v0.8.0   # its go.mod has no replace directives, so `go install pkg@version` works
 HELM_VERSION=v3.22.0
+# hack/kube/ksm/go.mod pins it (v2.16.0's go.mod has no checksum-database entry on the proxy).
+KSM_VERSION=v2.15.0
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 wrapper=$root/hack/kube
@@ -191,6 +194,11 @@ helm_flags() {
   echo "$f"
 }
 build helm "$HELM_VERSION" goinstall "$bin/.helm.tmp" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION" helm_flags
+# `go install ...@version` fails here (it reads the module's version list for deprecation notices,
+# which the proxy refuses for this module), so a small wrapper module pins it: hack/kube/ksm/.
+ksm_sum=$(sha256sum "$wrapper/ksm/go.sum" | cut -c1-16)
+ksmbuild() { local tmp=$1 pkg=$2; (cd "$wrapper/ksm" && go build -p 2 -trimpath -ldflags "-s -w" -o "$tmp" "$pkg"); }
+build kube-state-metrics "$KSM_VERSION go.sum:$ksm_sum" ksmbuild "$bin/.kube-state-metrics.tmp" k8s.io/kube-state-metrics/v2
 
 etcd_version=$(awk '$1 == "go.etcd.io/etcd/server/v3" {print $2; exit}' "$wrapper/go.mod")
 cat > "$kube_dir/versions" <<EOF
@@ -198,6 +206,7 @@ kubernetes=$KUBE_VERSION
 etcd=$etcd_version
 kwok=$KWOK_VERSION
 helm=$HELM_VERSION
+kube-state-metrics=$KSM_VERSION
 EOF
 
 if (( built > 0 )); then

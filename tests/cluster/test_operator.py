@@ -708,3 +708,67 @@ def test_scale_down_and_rollout_terminate_pods_with_the_drain_grace(operator: Op
         assert env["PHASESPLIT_INTERNAL_SECRET"].value_from.secret_key_ref.name == f"{name}-internal"
     assert base64.b64decode(value).decode() not in operator.log.read_text()
     kube_cluster.kubectl("delete", "psvc", name, "-n", namespace)
+
+
+# ---------------------------------------------------------------------------------------------
+# the dashboard's cluster panels (issue 20)
+
+
+def test_dashboard_cluster_panels_return_data(operator: Operator, kube_cluster: KubeCluster, tmp_path: Path):
+    """The dashboard panels that need a cluster (tests/integration/test_observability.py's EXEMPT:
+    replicas from kube-state-metrics joined with the operator's deployment_info, reconciles) return
+    data in the real Prometheus scraping the real kube-state-metrics and this session's operator."""
+    from tests.integration.test_metrics_prometheus import running_prometheus
+    from tests.integration.test_observability import (
+        EXEMPT,
+        finite,
+        panel_queries,
+        query,
+        query_range,
+        substitute,
+    )
+    from tests.procs import free_port
+
+    ksm_bin = Path(kube_cluster.bin_dir) / "kube-state-metrics"
+    assert ksm_bin.exists(), "kube-state-metrics is missing: run hack/kube-tools.sh (hack/setup.sh builds it)"
+    namespace = WATCHED["samples"]
+    view = View(kube_cluster, namespace)
+    port, telemetry = free_port(), free_port()
+    log = open(tmp_path / "kube-state-metrics.log", "wb")
+    ksm = subprocess.Popen([str(ksm_bin), f"--kubeconfig={kube_cluster.kubeconfig}", "--host=127.0.0.1",
+                            f"--port={port}", "--telemetry-host=127.0.0.1", f"--telemetry-port={telemetry}",
+                            "--resources=deployments", f"--namespaces={namespace}"],
+                           stdout=log, stderr=subprocess.STDOUT)
+    jobs = [  # honor_labels: kube-state-metrics' namespace label is the Deployment's, as in a cluster
+        {"job_name": "kube-state-metrics", "honor_labels": True, "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]},
+        {"job_name": "phasesplit-operator", "static_configs": [{"targets": [operator.metrics_url.split("/")[2]]}]},
+    ]
+    name = f"dash-{SESSION}"
+    try:
+        with running_prometheus([], tmp_path, scrape_configs=jobs) as prom:
+            start = time.time()
+            view.apply(isvc(name, MINIMAL))  # reconciles while Prometheus scrapes
+            view.wait_ready(name)
+            wanted = [(title, ref, substitute(expr, namespace, ".*")) for title, ref, expr in panel_queries()
+                      if title in EXEMPT]
+            assert {t for t, _, _ in wanted} == set(EXEMPT)
+
+            def all_have_data() -> bool:
+                return not [1 for _, _, expr in wanted if not finite(query_range(prom, expr, start, time.time()))]
+
+            wait_until("every cluster panel with data", all_have_data, timeout=90)
+            for title, ref, expr in wanted:
+                values = finite(query_range(prom, expr, start, time.time()))
+                print(f"{title[:30]:30} {ref}  {len(values)} points, last {values[-1][1]:.4g}")
+            desired = next(expr for title, _, expr in wanted if "spec_replicas" in expr)
+            replicas = {m["phase"]: v for m, v in finite(query(prom, desired))}
+            assert ksm.poll() is None, (tmp_path / "kube-state-metrics.log").read_text()[-2000:]
+    finally:
+        ksm.terminate()
+        ksm.wait(timeout=30)
+        log.close()
+        kube_cluster.kubectl("delete", "psvc", name, "-n", namespace, "--ignore-not-found")
+    # The desired-replicas series sums each component's Deployments in the namespace: this
+    # service's 1 router + 1 prefill + 2 decode, plus the samples' when their test ran first.
+    assert replicas.keys() == {"router", "prefill", "decode"}, replicas
+    assert replicas["router"] >= 1 and replicas["prefill"] >= 1 and replicas["decode"] >= 2, replicas
