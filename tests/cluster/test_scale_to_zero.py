@@ -147,9 +147,11 @@ def test_idle_to_zero_then_a_held_request_wakes_both_phases(kube_cluster: KubeCl
             wait_for("Prometheus to see the workers down", lambda: all(
                 r["health"] == "down" for r in httpx.get(prometheus + "/api/v1/targets", timeout=5).json()
                 ["data"]["activeTargets"] if not r["scrapeUrl"].startswith(router.url)), timeout=30)
-            # The service stays Ready while asleep: the router takes requests and holds them.
-            ready = {c["type"]: c["status"] for c in status()["conditions"]}
-            assert ready["Ready"] == "True", status()["conditions"]
+            # The service is Ready while asleep (once the Deployments have settled at 0): the
+            # router takes requests and holds them.
+            wait_for("Ready at zero", lambda: {c["type"]: (c["status"], c["reason"]) for c in status()["conditions"]}
+                     .get("DecodeReady") == ("True", "ScaledToZero") and any(
+                         c["type"] == "Ready" and c["status"] == "True" for c in status()["conditions"]), timeout=60)
 
             # A request now: held at the router, it wakes both phases and is answered.
             result: dict = {}
