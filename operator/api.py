@@ -468,7 +468,8 @@ class ScaleToZeroSpec(ApiModel):
                                              "running before it goes to zero, e.g. 5m.")
     hold_timeout: Duration = Field("120s", description="How long the router holds a request that finds no "
                                                        "worker before answering 503 with Retry-After, e.g. 120s.")
-    max_held: int = Field(256, description="Requests the router holds at once; more are answered 503 at once.",
+    max_held: int = Field(256, description="Requests the router holds at once; more are answered 429 with "
+                                           "Retry-After at once.",
                           ge=1, le=100000)
 
 
@@ -586,6 +587,9 @@ class PhaseStatus(ApiModel):
     ready_replicas: int = Field(0, description="Pods that pass their readiness probe.")
     desired_replicas: int = Field(0, description="Pods wanted now (by the spec, the planner or the HPA).")
     summary: str = Field("0/0", description="ready/desired, for `kubectl get`.")
+    startup_seconds: float | None = Field(
+        None, description="Measured start-up of this phase's pods, creation to Ready: the median of the last "
+                          "few (prefill and decode). The planner takes it as its reaction time.")
 
 
 class DecisionStatus(ApiModel):
@@ -617,7 +621,9 @@ class AutoscalingStatus(ApiModel):
     conditions: list[Condition] = Field(default_factory=list,
                                         description="MetricsAvailable: whether the last step had fresh metrics "
                                                     "(False holds the replicas); SLOReachable when False: "
-                                                    "prompts too long for the TTFT target at any size.")
+                                                    "prompts too long for the TTFT target at any size; "
+                                                    "ScaledToZero: True while phases are at zero (Idle), "
+                                                    "False with reason Woken when held requests woke them.")
 
 
 class InferenceServiceStatus(ApiModel):

@@ -8,6 +8,8 @@
   children that differ (reconcile.py), and writes status once.
 - One planner loop steps the autoscaler of each Planner-mode service when its interval has
   passed; its decision goes to the next pass of that service in memory.
+- Pod events of the services' pods give each phase's measured start-up (startup.py), which
+  status shows and the planner takes as its reaction time.
 - A periodic resync re-lists everything (catching what a dropped watch missed) and enqueues
   every service.
 - With leader election only the Lease holder reconciles and plans; every replica keeps its
@@ -37,6 +39,7 @@ from phasesplit.operator.leader import LeaderElector
 from phasesplit.operator.metrics.autoscale import ServiceAutoscaler, endpoint_targets, status_patch
 from phasesplit.operator.reconcile import INTENT_ANNOTATION, reconcile_children, stamped, write_status
 from phasesplit.operator.render import Owner, PlannedReplicas
+from phasesplit.operator.startup import StartupTimes
 from phasesplit.operator.telemetry import OperatorTelemetry
 from phasesplit.operator.workqueue import WorkQueue
 from phasesplit.runtime.units import rfc3339
@@ -51,6 +54,7 @@ LEGACY_FINALIZER = f"{api.GROUP}/finalizer"
 # never all in memory as full objects at once).
 LIST_PAGE = 500
 ENDPOINT_SLICES = render.ChildKind("discovery.k8s.io/v1", "endpointslices", "EndpointSlice")
+PODS = render.ChildKind("v1", "pods", "Pod")  # watched for start-up times only, never cached
 
 
 @dataclass
@@ -181,6 +185,16 @@ def _instance(body: Mapping[str, Any]) -> ServiceKey | None:
     return (meta["namespace"], instance) if instance else None
 
 
+def _hpa_zero(spec: api.InferenceServiceSpec) -> str | None:
+    """Why HPA mode will not scale this spec to zero, where it asks for that (None otherwise)."""
+    a = spec.autoscaling
+    if a.mode != "HPA" or not (a.scale_to_zero or any(spec.phase(p).min_replicas == 0 for p in api.PHASES)):
+        return None
+    return ("HPA mode cannot scale to zero: a HorizontalPodAutoscaler needs the alpha HPAScaleToZero feature "
+            "gate for minReplicas 0, so it is rendered as 1 and scaleToZero does nothing; use mode Planner "
+            "for scale to zero (the router holds requests while the phases are at zero)")
+
+
 def _seed_decision(status_body: Mapping[str, Any]) -> PlannedReplicas | None:
     last = ((status_body or {}).get("autoscaling") or {}).get("lastDecision")
     if not last:
@@ -197,6 +211,7 @@ class Controller:
         self.records: dict[ServiceKey, ServiceRecord] = {}
         self.children: dict[ServiceKey, dict[ChildKey, Cached]] = {}
         self.slices: dict[ServiceKey, dict[str, dict[str, Any]]] = {}
+        self.startups: dict[ServiceKey, StartupTimes] = {}
         self._stop = threading.Event()
         self.synced = threading.Event()  # the caches hold a full first LIST: passes may start
         self._http: httpx.AsyncClient | None = None  # the planner loop's, for every scrape
@@ -249,6 +264,7 @@ class Controller:
         if event_type == "DELETED":
             with self._lock:
                 self.records.pop(key, None)
+                self.startups.pop(key, None)
             self.telemetry.forget(*key)
             return
         with self._lock:
@@ -307,6 +323,26 @@ class Controller:
             elif _newer(body, cache.get(meta["name"])):
                 cache[meta["name"]] = {"metadata": {"resourceVersion": meta.get("resourceVersion")},
                                        "ports": body.get("ports"), "endpoints": body.get("endpoints")}
+
+    def observe_pod(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        """A phase pod that turned Ready: its start-up joins the phase's rolling median (status
+        shows it at the next pass; the planner reads it at its next step)."""
+        key = _instance(body)
+        meta = body["metadata"]
+        phase = (meta.get("labels") or {}).get(render.COMPONENT_LABEL)
+        if key is None or phase not in api.PHASES or event_type == "DELETED":
+            return
+        with self._lock:
+            counted = self.startups.setdefault(key, StartupTimes()).observe(phase, meta.get("uid", ""), body)
+            known = key in self.records
+        if counted and known:
+            self.queue.add(key)
+
+    def startup_times(self, key: ServiceKey) -> dict[str, float]:
+        """Each phase's measured start-up (rolling median, seconds), where one was measured."""
+        with self._lock:
+            times = self.startups.get(key)
+            return times.medians() if times is not None else {}
 
     # ------------------------------------------------------------------ reconcile
 
@@ -382,6 +418,9 @@ class Controller:
             return
         if rec.configured is not spec:  # a new generation
             self.telemetry.observe_service(*key, spec)
+            unsupported = _hpa_zero(spec)
+            if unsupported:
+                emit("Warning", "ScaleToZeroUnsupported", unsupported)
             if spec.autoscaling.mode == "Planner":
                 if rec.autoscaler is None:
                     rec.autoscaler = ServiceAutoscaler(spec)
@@ -429,7 +468,8 @@ class Controller:
             error = f"{e.status} {e.reason}: {api_message(e)}"
         deployments = self._deployments(key, owner)
         kept = rec.status.get("observedGeneration") if error else generation
-        new = status.compute_status(owner, spec, deployments, rec.status, rfc3339(time.time()), kept, error)
+        new = status.compute_status(owner, spec, deployments, rec.status, rfc3339(time.time()), kept, error,
+                                    startup=self.startup_times(key))
         if spec.autoscaling.mode == "Planner" and rec.autoscaling is not None:
             new["autoscaling"] = rec.autoscaling
         rec.status = write_status(self.kube, owner, new, rec.status)
@@ -498,6 +538,7 @@ class Controller:
                     if k not in alive and int(r.meta.get("resourceVersion") or 0) <= parents_at]
             for key in gone:
                 del self.records[key]
+                self.startups.pop(key, None)
         for key in gone:
             self.telemetry.forget(*key)
         for p in parents:
@@ -569,7 +610,7 @@ class Controller:
         with self._lock:
             slices = list(self.slices.get(key, {}).values())
         result = await scaler.step(current, endpoint_targets(slices) if not scaler.prometheus else {}, now,
-                                   self._http)
+                                   self._http, startup=self.startup_times(key))
         for err in result.errors:
             log.debug("%s/%s metrics: %s", *key, err)
         self.telemetry.decided(*key, spec.model.name, result.decision, result.snapshot)
@@ -586,6 +627,11 @@ class Controller:
             rec.decision = PlannedReplicas(d.prefill.desired, d.decode.desired, generation)
             events.append(("Normal", "Scaled", d.reason[:1000]))
             log.info("%s/%s autoscaled: %s", *key, d.reason)
+            # Scale to zero and back get Events of their own: "scaled to zero after N idle" /
+            # "woken by K held requests" (the planner's ScaledToZero condition says which).
+            zero = next((c for c in d.conditions if c[0] == "ScaledToZero"), None)
+            if zero is not None:
+                events.append(("Normal", "ScaledToZero" if zero[1] else "WokenFromZero", zero[3][:1000]))
         if patch != before or result.decision.changed:
             rec.autoscaling = patch
             self.queue.add(key)  # the pass applies the decision and writes the status

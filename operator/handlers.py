@@ -16,7 +16,7 @@ from typing import Any
 import kopf
 
 from phasesplit.operator import api, render
-from phasesplit.operator.controller import ENDPOINT_SLICES, Controller
+from phasesplit.operator.controller import ENDPOINT_SLICES, PODS, Controller
 
 CHILD_FILTER = {render.MANAGED_BY_LABEL: render.MANAGED_BY}
 
@@ -55,7 +55,7 @@ def settings(namespaced: bool) -> kopf.OperatorSettings:
     # Children and their EndpointSlices filtered by the API server: the operator never receives
     # the cluster's other Deployments, Services, ...
     selector = ",".join(f"{k}={v}" for k, v in CHILD_FILTER.items())
-    for kind in (*render.CHILD_KINDS, ENDPOINT_SLICES):
+    for kind in (*render.CHILD_KINDS, ENDPOINT_SLICES, PODS):
         out.watching.label_selectors[_resource(kind)] = selector
     return out
 
@@ -90,6 +90,11 @@ def registry() -> kopf.OperatorRegistry:
     @kopf.on.event(*_resource(ENDPOINT_SLICES), labels=CHILD_FILTER, registry=reg)
     async def endpoint_slice(event: dict[str, Any], memo: kopf.Memo, **_: Any) -> None:
         memo.controller.observe_slice(event.get("type"), event["object"])
+
+    # The services' pods: their start-up (creation to Ready) is what the planner reacts with.
+    @kopf.on.event(*_resource(PODS), labels=CHILD_FILTER, registry=reg)
+    async def pod(event: dict[str, Any], memo: kopf.Memo, **_: Any) -> None:
+        memo.controller.observe_pod(event.get("type"), event["object"])
 
     return reg
 

@@ -190,7 +190,21 @@ def container_args(owner: Owner, spec: api.InferenceServiceSpec, component: str)
         args += ["--discovery=kubernetes", f"--namespace={owner.namespace}",
                  f"--prefill-service={owner.child('prefill')}", f"--decode-service={owner.child('decode')}",
                  f"--api-key-env={API_KEY_ENV}"]
+        args += _hold_args(spec)
     return args + list(rt.args)
+
+
+def _hold_args(spec: api.InferenceServiceSpec) -> list[str]:
+    """The router's held queue as scaleToZero sets it (else the runtime's defaults). Where prefill
+    may go to zero and decode may not prefill locally, a held request waits for both phases, as
+    the planner wakes both (planner.py)."""
+    zero = spec.autoscaling.scale_to_zero
+    if zero is None or spec.autoscaling.mode != "Planner":
+        return []
+    out = [f"--hold-timeout={_seconds(zero.hold_timeout)}", f"--max-held={zero.max_held}"]
+    if spec.prefill.bounds()[0] == 0 and spec.decode.local_prefill_threshold == 0:
+        out.append("--hold-for-prefill")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

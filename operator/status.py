@@ -24,14 +24,19 @@ def deployment_summary(body: Mapping[str, Any]) -> dict[str, int]:
     }
 
 
-def component_state(component: str, summary: Mapping[str, int] | None) -> tuple[bool, str, str]:
-    """(ready, reason, message) of one component's Deployment."""
+def component_state(component: str, summary: Mapping[str, int] | None,
+                    scales_to_zero: bool = False) -> tuple[bool, str, str]:
+    """(ready, reason, message) of one component's Deployment. scales_to_zero: the planner may put
+    this phase at zero (scaleToZero): at zero it is asleep, not broken."""
     if summary is None:
         return False, "DeploymentMissing", "the Deployment does not exist yet"
     desired, ready = summary["desired"], summary["ready"]
     if summary["observedGeneration"] < summary["generation"]:
         return False, "Progressing", "the Deployment controller has not seen the latest spec yet"
     if desired == 0:
+        if scales_to_zero:
+            return True, "ScaledToZero", ("scaled to zero: the router holds requests and the planner wakes "
+                                          f"the {component} pool for them")
         # No prefill workers is a working (if slower) service: decode workers prefill locally.
         if component == "prefill":
             return True, "ScaledToZero", "no prefill workers; decode workers prefill locally"
@@ -65,11 +70,12 @@ def _condition(kind: str, ok: bool, reason: str, message: str, generation: int |
 
 def compute_status(owner: Owner, spec: api.InferenceServiceSpec, deployments: Mapping[str, Mapping[str, int]],
                    previous: Mapping[str, Any] | None, now: str, observed_generation: int | None,
-                   error: str | None = None) -> dict[str, Any]:
+                   error: str | None = None, startup: Mapping[str, float] | None = None) -> dict[str, Any]:
     """The status fields the operator owns (status.autoscaling belongs to the planner).
 
     previous: the current status, for condition transition times; now: RFC 3339 timestamp;
-    error: why the last reconcile failed, if it did (makes Ready False with ReconcileFailed).
+    error: why the last reconcile failed, if it did (makes Ready False with ReconcileFailed);
+    startup: each phase's measured start-up, seconds (startup.py), where one was measured.
     """
     prev_conditions = {c["type"]: c for c in (previous or {}).get("conditions", []) if "type" in c}
     status: dict[str, Any] = {"endpoint": endpoint(owner, spec)}
@@ -77,13 +83,17 @@ def compute_status(owner: Owner, spec: api.InferenceServiceSpec, deployments: Ma
         status["observedGeneration"] = observed_generation
     conditions = []
     not_ready = []
+    a = spec.autoscaling
+    zero = {p for p in api.PHASES if a.mode == "Planner" and a.scale_to_zero and spec.phase(p).bounds()[0] == 0}
     for component in api.COMPONENTS:
         summary = deployments.get(component)
-        ok, reason, message = component_state(component, summary)
+        ok, reason, message = component_state(component, summary, component in zero)
         desired = summary["desired"] if summary else 0
         ready = summary["ready"] if summary else 0
         status[component] = {"replicas": summary["replicas"] if summary else 0, "readyReplicas": ready,
                              "desiredReplicas": desired, "summary": f"{ready}/{desired}"}
+        if startup and component in startup:
+            status[component]["startupSeconds"] = round(startup[component], 1)
         conditions.append(_condition(CONDITION_TYPES[component], ok, reason, message, observed_generation,
                                      prev_conditions, now))
         if not ok:

@@ -38,14 +38,19 @@ def parse_bytes(text: str) -> int:
     return int(value * units[unit])
 
 
-def parse_seconds(text: str) -> float:
+def parse_seconds(text: str, allow_zero: bool = False) -> float:
     """A duration flag: plain seconds or with units (500ms, 30s, 1m30s); see phasesplit.runtime.units."""
     from phasesplit.runtime.units import parse_duration
 
     try:
-        return parse_duration(text, bare_unit="s")
+        return parse_duration(text, bare_unit="s", allow_zero=allow_zero)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def seconds_or_zero(text: str) -> float:
+    """A duration flag where 0 means "off"."""
+    return parse_seconds(text, allow_zero=True)
 
 
 def positive_int(text: str) -> int:
@@ -138,6 +143,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "cache's tokens)")
     g.add_argument("--max-body-bytes", type=parse_bytes, default=4 * 1024 * 1024,
                    help="largest request body; bigger ones get 413")
+    g.add_argument("--max-held", type=positive_int, default=256,
+                   help="router: requests held at once while no worker of a phase they need is up (a phase "
+                        "scaled to zero, or not ready yet); more get 429")
+    g.add_argument("--hold-timeout", type=seconds_or_zero, default=30.0,
+                   help="router: how long a held request waits for a worker before it gets 503 with "
+                        "Retry-After (0: never hold)")
+    g.add_argument("--hold-for-prefill", action="store_true",
+                   help="router: hold requests while no prefill worker is up too (the decode workers may not "
+                        "prefill them; the operator sets it when prefill scales to zero)")
     g.add_argument("--worker-read-timeout", type=parse_seconds, default=30.0,
                    help="router: seconds a decode worker may stay silent mid-request (it sends a keepalive "
                         "line every 2 s while a request waits) before the request fails and the worker is "

@@ -33,6 +33,14 @@ WAITING = PREFIX + "num_requests_waiting"
 KV_USAGE = PREFIX + "kv_cache_usage_perc"
 PREFILL_QUEUE_TOKENS = PREFIX + "prefill_queue_tokens"
 
+# The router's held queue (requests that found no worker of a phase they need: a phase at zero,
+# or none ready yet). Only the router exports these (phase="router"); the operator's planner
+# reads the count as demand that wakes phases scaled to zero.
+HELD = PREFIX + "num_requests_held"  # gauge
+HELD_WAIT = PREFIX + "request_held_seconds"  # histogram: how long each held request waited
+ROUTER_GAUGES = (HELD,)
+ROUTER_HISTOGRAMS = (HELD_WAIT,)
+
 HISTOGRAMS = (TTFT, ITL, E2E, QUEUE_TIME, KV_TRANSFER)
 COUNTERS = (PROMPT_TOKENS, GENERATION_TOKENS, PREFIX_QUERIES, PREFIX_HITS, PREEMPTIONS, KV_BYTES,
             LOCAL_PREFILL, KV_TRANSFER_FAILURES, SUCCESS)
@@ -62,4 +70,5 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+HELD_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0)
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

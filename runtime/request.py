@@ -33,6 +33,15 @@ class Overloaded(RuntimeError):
         self.retry_after = retry_after
 
 
+class Unavailable(RuntimeError):
+    """No worker could take the request within the time it may wait (the router's held queue
+    timed out): servers map it to HTTP 503 with Retry-After."""
+
+    def __init__(self, message: str, retry_after: int = 5) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 # Below this a temperature means greedy, as in vLLM: dividing logits by it overflows to inf/NaN.
 GREEDY_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 16

@@ -15,6 +15,7 @@ from phasesplit.operator.metrics.histogram import Histogram
 from phasesplit.operator.planner.snapshot import MetricsSnapshot
 from phasesplit.runtime.metric_names import (
     GENERATION_TOKENS,
+    HELD,
     ITL,
     KV_USAGE,
     PREFILL_QUEUE_TOKENS,
@@ -141,6 +142,8 @@ def snapshot(prev: Scrape, cur: Scrape, percentile: float,
         # per first token they give the mean prompt; output tokens per finished request.
         prompt_tokens_mean=prompt / first_tokens if prompt is not None and first_tokens else None,
         generated_tokens_mean=generated / finished if generated is not None and finished else None,
+        # Requests the router holds for want of a worker (a phase at zero): they wake the phases.
+        held_requests=_gauge(cur, HELD, "router"),
     )
 
 

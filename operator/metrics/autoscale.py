@@ -37,14 +37,17 @@ def planner_config(spec: api.InferenceServiceSpec) -> PlannerConfig:
         min_pd_ratio=a.ratio.min if a.ratio else None,
         max_pd_ratio=a.ratio.max if a.ratio else None,
         interval_s=parse_duration(a.interval),
-        # Scale to zero stays off in the operator until the router holds requests that find no
-        # worker and exports their count (issue 15 point 2): without that, a request arriving at
-        # zero would fail at the router and nothing would wake the phases. scaleToZero is
-        # validated and kept; the planner and the simulator implement it.
-        idle_after_s=None,
+        # Scale to zero: the router holds the requests that find no worker (its held count, in
+        # the snapshot, wakes the phases); without scaleToZero minReplicas 0 means 1.
+        idle_after_s=parse_duration(a.scale_to_zero.idle_after) if a.scale_to_zero else None,
         # Decode may prefill short prompts itself: a held request then needs decode alone.
         local_prefill=spec.decode.local_prefill_threshold > 0,
     )
+
+
+def reaction_startup(startup: Mapping[str, float]) -> float:
+    """The start-up the planner reacts with: the slower measured phase."""
+    return max(startup.get(p, 0.0) for p in api.PHASES)
 
 
 def endpoint_targets(slices: list[Mapping[str, Any]]) -> dict[str, str]:
@@ -173,11 +176,15 @@ class ServiceAutoscaler:
         return snap, errors
 
     async def step(self, current: Mapping[str, int], targets: dict[str, str], now: float,
-                   http: httpx.AsyncClient | None = None) -> StepResult:
+                   http: httpx.AsyncClient | None = None, startup: Mapping[str, float] | None = None) -> StepResult:
         """targets: /metrics URLs of the ready endpoints (pods source; see endpoint_targets);
-        http: a client to scrape them with (default: one for this step)."""
+        http: a client to scrape them with (default: one for this step); startup: the phases'
+        measured start-up (the controller's rolling medians), the planner's reaction time."""
         assert self.planner is not None
         self.last_step = now
+        if startup:
+            # The slower phase decides when a pair ordered now can serve (as the simulator does).
+            self.planner.use_startup(reaction_startup(startup))
         snap, errors = await self._collect(targets, now, http)
         decision = self.planner.plan(snap, dict(current), now)
         return StepResult(decision, snap, errors)

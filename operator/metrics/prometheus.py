@@ -56,6 +56,7 @@ def queries(model: str, window_s: float, percentile: float, selector: str = "",
         "kv_usage": f"avg({names.KV_USAGE}{sel(decode)})",
         "ready_prefill": f"count({names.RUNNING}{sel(prefill)})",
         "ready_decode": f"count({names.RUNNING}{sel(decode)})",
+        "held_requests": f"sum({names.HELD}{sel(front)})",
     }
 
 
@@ -128,8 +129,8 @@ class PrometheusSource:
         finally:
             if self.client is None:
                 await client.aclose()
-        if v["ready_prefill"] is None and v["ready_decode"] is None:
-            return None  # nothing of this model is being scraped
+        if v["ready_prefill"] is None and v["ready_decode"] is None and front != "router":
+            return None  # nothing of this model is being scraped (with phases at zero, the router is)
         rate = v["request_rate"]
         return MetricsSnapshot(
             timestamp=at, window_s=self.window_s,
@@ -145,4 +146,5 @@ class PrometheusSource:
             prompt_tokens_mean=(v["prompt_token_rate"] / rate) if rate and v["prompt_token_rate"] is not None else None,
             generated_tokens_mean=(v["generation_token_rate"] / v["finished_rate"])
             if v["finished_rate"] and v["generation_token_rate"] is not None else None,
+            held_requests=v["held_requests"],
         )

@@ -113,6 +113,14 @@ class Planner:
                                   decay=cfg.burst_decay, first_hold_s=cfg.burst_first_hold_s,
                                   max_factor=cfg.max_surge)
 
+    def use_startup(self, seconds: float) -> None:
+        """Take a measured replica start-up (pod creation to Ready, the operator's rolling median)
+        as the reaction time, instead of the configured one: how far ahead a scale-up must look
+        (drain projections, burst extrapolation, the backlog a wake-up meets)."""
+        if seconds != self.config.startup_s:
+            self.config = replace(self.config, startup_s=seconds)
+            self.bursts.reaction_s = seconds + self.config.interval_s
+
     def surge(self, now: float, rate: float, short: bool = False) -> tuple[float, float, bool, str]:
         """(planning rate, surge factor, rising, note): headroom for load that can arrive before a
         new replica is up.

@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from phasesplit.runtime import metric_names as n
-from phasesplit.runtime.metric_names import E2E_BUCKETS, ITL_BUCKETS, TRANSFER_BUCKETS, TTFT_BUCKETS
+from phasesplit.runtime.metric_names import (
+    E2E_BUCKETS,
+    HELD_BUCKETS,
+    ITL_BUCKETS,
+    TRANSFER_BUCKETS,
+    TTFT_BUCKETS,
+)
 
 if TYPE_CHECKING:  # the router imports this module and must not load torch
     from phasesplit.runtime.engine.engine import LLMEngine
@@ -53,6 +59,11 @@ class Metrics:
         self.waiting = gauge(n.WAITING, "Requests waiting to be scheduled")
         self.kv_usage = gauge(n.KV_USAGE, "Fraction of KV cache blocks in use (0-1)")
         self.prefill_queue = gauge(n.PREFILL_QUEUE_TOKENS, "Prompt tokens waiting to be prefilled")
+        self.held = self.held_wait = None
+        if phase == "router":  # the held queue (router.py) exists only there
+            self.held = gauge(n.HELD, "Requests held for want of a worker (a phase at zero or not ready yet)")
+            self.held_wait = hist(n.HELD_WAIT, "Time a held request waited for a worker", HELD_BUCKETS)
+            self.child(self.held_wait)
         # Create every labelled series now, so scrapers see zeros instead of missing metrics.
         for metric in (self.ttft, self.itl, self.e2e, self.queue, self.kv_transfer, self.prompt_tokens,
                        self.generation_tokens, self.prefix_queries, self.prefix_hits, self.preemptions,

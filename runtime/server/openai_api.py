@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from phasesplit.runtime.engine.grammar import GrammarError
 from phasesplit.runtime.model.tokenizer import TextTokenizer
-from phasesplit.runtime.request import Overloaded, RequestError, RequestOutput, SamplingParams
+from phasesplit.runtime.request import Overloaded, RequestError, RequestOutput, SamplingParams, Unavailable
 from phasesplit.runtime.server.admission import Ticket
 from phasesplit.runtime.server.guards import DEFAULT_MAX_BODY, Guards, check_api_key
 from phasesplit.runtime.server.metrics import Metrics
@@ -113,6 +113,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _overloaded(_: Request, e: Overloaded) -> JSONResponse:
         # OpenAI's rate-limit shape: clients (the openai SDK included) back off on 429 + Retry-After.
         return JSONResponse(error_body(str(e), "requests", code="rate_limit_exceeded"), status_code=429,
+                            headers={"Retry-After": str(e.retry_after)})
+
+    @app.exception_handler(Unavailable)
+    async def _unavailable(_: Request, e: Unavailable) -> JSONResponse:
+        # No worker came within the hold timeout (the router's held queue): try again later.
+        return JSONResponse(error_body(str(e), "server_error", code="service_unavailable"), status_code=503,
                             headers={"Retry-After": str(e.retry_after)})
 
     @app.exception_handler(RequestValidationError)
@@ -238,7 +244,7 @@ def build_openai_app(backend: Backend, served_name: str | list[str], metrics: Me
         params = sampling(req, len(ids))
         rid = make_id("cmpl")
         echo = await asyncio.to_thread(tok.decode, ids) if req.echo else None
-        outputs = await _start(backend, rid, ids, params)
+        outputs = await _start(backend, rid, ids, params, request)
         if req.stream:
             return _stream(request, rid, _completion_chunks(tok, outputs, rid, ids, req, echo))
         result = await _collect(request, outputs, rid, ids)
@@ -261,7 +267,7 @@ def build_openai_app(backend: Backend, served_name: str | list[str], metrics: Me
         ids = await _render(tok, msgs, req.add_generation_prompt)
         params = sampling(req, len(ids))
         rid = make_id("chatcmpl")
-        outputs = await _start(backend, rid, ids, params)
+        outputs = await _start(backend, rid, ids, params, request)
         if req.stream:
             return _stream(request, rid, _chat_chunks(tok, outputs, rid, params, req))
         result = await _collect(request, outputs, rid, ids)
@@ -389,14 +395,33 @@ async def _admitted(backend: Backend, rid: str, ids: list[int], params: Sampling
         ticket.release()
 
 
-async def _start(backend: Backend, rid: str, ids: list[int], params: SamplingParams
-                 ) -> AsyncIterator[RequestOutput]:
+async def _first(gen: AsyncIterator[RequestOutput], request: Request | None) -> RequestOutput:
+    """The first output, or APIError 499 once the client has gone: a request may wait long for
+    it (held at the router for a worker, queued), and one whose client left must stop waiting
+    (and leave the router's held queue, or the worker's queue) rather than run for no one."""
+    task = asyncio.ensure_future(anext(gen))
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if done:
+            return task.result()
+        if request is not None and await request.is_disconnected():
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the request is abandoned
+                pass
+            await gen.aclose()
+            raise APIError(499, "the client closed the request")
+
+
+async def _start(backend: Backend, rid: str, ids: list[int], params: SamplingParams,
+                 request: Request | None = None) -> AsyncIterator[RequestOutput]:
     """Admit the request and wait for its first output, so that what fails before any token
     (overload, a bad request, no worker) gets its HTTP status instead of a 200 with an error event."""
     gen = _admitted(backend, rid, ids, params)
     try:
-        first = await anext(gen)
-    except (Overloaded, APIError):
+        first = await _first(gen, request)
+    except (Overloaded, Unavailable, APIError):
         raise
     except (RequestError, GrammarError) as e:
         raise APIError(400, str(e), param=e.param) from None

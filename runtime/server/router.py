@@ -1,7 +1,9 @@
 """The router: the OpenAI API in front of prefill and decode pools.
 
 It tokenizes, validates (the one check of this process), picks a decode worker and ranks prefill
-workers (the rules in routing.py), and relays the decode worker's stream. Its TTFT/ITL
+workers (the rules in routing.py), and relays the decode worker's stream. A request that finds no
+worker of a phase it needs (a phase scaled to zero, workers not ready yet) waits in the held
+queue (held.py) until one is up. Its TTFT/ITL
 histograms include queueing and KV transfer: the ones the autoscaler reads. It runs no model:
 it reads only the tokenizer and config (model/files.py) and never imports torch.
 """
@@ -14,6 +16,7 @@ import json
 import logging
 import os
 import random
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -29,9 +32,10 @@ from phasesplit.runtime.model.files import ModelFiles, model_info, read_config
 from phasesplit.runtime.model.tokenizer import TextTokenizer
 from phasesplit.runtime.request import Overloaded, RequestError, RequestOutput, SamplingParams
 from phasesplit.runtime.server.admission import Admission, Ticket
+from phasesplit.runtime.server.held import HeldQueue
 from phasesplit.runtime.server.metrics import Metrics
 from phasesplit.runtime.server.openai_api import build_openai_app, served_names
-from phasesplit.runtime.server.routing import Pool, Worker, pick_decode, rank_prefill
+from phasesplit.runtime.server.routing import Pool, Worker, missing_phase, pick_decode, rank_prefill
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +59,10 @@ class RemoteBackend:
         self.queued_tokens = args.max_queued_tokens
         self.block_size = args.block_size
         self.admission = Admission(self.per_worker, 0)
+        # Requests that find no worker wait here (bounded in number and time) until one is up.
+        self.need_prefill = args.hold_for_prefill
+        self.held = HeldQueue(args.max_held, args.hold_timeout,
+                              on_wait=lambda s: metrics.child(metrics.held_wait).observe(s))
         # Client streams and worker polls in separate pools, so polls never wait behind streams.
         # The read timeout holds per chunk: a decode worker silent that long fails its requests.
         internal = internal_secret.headers(secret)
@@ -65,6 +73,7 @@ class RemoteBackend:
         self.poll_client = httpx.AsyncClient(timeout=httpx.Timeout(2.0), limits=httpx.Limits(max_connections=32),
                                              headers=internal)
         self.poll_interval = 0.5
+        self.polled = False  # a first round of polls has ended: `live()` means something
 
     def check_request(self, prompt_len: int, params: SamplingParams) -> None:
         params.validate(self.tokenizer.vocab_size)
@@ -79,12 +88,13 @@ class RemoteBackend:
                 raise RequestError(str(e), e.param) from None
 
     def capacity(self) -> int:
-        return self.per_worker * len(self.decode.live())
+        live = len(self.decode.live())
+        return self.per_worker * live if live else self.held.max_held
 
     def admit(self, prompt_tokens: int, seqs: int = 1) -> Ticket:
         live = self.decode.live()
-        if not live:
-            raise RuntimeError("no decode worker is available")
+        if not live:  # it will be held (generate): the held queue's bound is the limit then
+            return self.admission.admit(prompt_tokens, seqs, max_requests=sys.maxsize, max_tokens=sys.maxsize)
         kv_tokens = [w.total_blocks * self.block_size for w in live]
         max_tokens = sum(t + (self.queued_tokens if self.queued_tokens is not None else 4 * t) for t in kv_tokens)
         return self.admission.admit(prompt_tokens, seqs, max_requests=self.per_worker * len(live),
@@ -94,6 +104,8 @@ class RemoteBackend:
         while True:
             workers = list(self.decode.workers.values()) + list(self.prefill.workers.values())
             await asyncio.gather(*(self._poll(w) for w in workers))
+            self.polled = True
+            self.held.changed()
             await asyncio.sleep(self.poll_interval)
 
     async def _poll(self, w: Worker) -> None:
@@ -121,23 +133,25 @@ class RemoteBackend:
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
                        ) -> AsyncIterator[RequestOutput]:
+        arrival = time.monotonic()  # TTFT as the client sees it: a held request's wait included
         tried: set[str] = set()
         while True:
+            await self.held.wait(lambda: missing_phase(self.decode, self.prefill, self.need_prefill, tried))
             worker = pick_decode(self.decode, exclude=tried,
                                  prefill_revisions={w.revision for w in self.prefill.live()})
-            if worker is None:
+            if worker is None:  # missing_phase just found one; nothing ran in between
                 raise RuntimeError("no decode worker is available")
             tried.add(worker.url)
             try:
-                async for out in self._generate_on(worker, request_id, prompt_ids, params):
+                async for out in self._generate_on(worker, request_id, prompt_ids, params, arrival):
                     yield out
                 return
             except _Draining:
                 worker.up = False  # until a poll finds it ready again
                 log.info("decode worker %s is draining; trying another", worker.url)
 
-    async def _generate_on(self, worker: Worker, request_id: str, prompt_ids: list[int], params: SamplingParams
-                           ) -> AsyncIterator[RequestOutput]:
+    async def _generate_on(self, worker: Worker, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                           start: float) -> AsyncIterator[RequestOutput]:
         prefill = rank_prefill(self.prefill, self.rng, prompt_ids, revision=worker.revision)
         if prefill:
             prefill[0].waiting_tokens += len(prompt_ids)
@@ -146,7 +160,6 @@ class RemoteBackend:
         m = self.metrics
         body = GenerateCall(request_id=request_id, prompt_ids=prompt_ids, params=params,
                             prefill_urls=[w.url for w in prefill]).model_dump(mode="json")
-        start = time.monotonic()
         last = None
         pending = params.num_seqs
         try:
@@ -279,9 +292,14 @@ def build_router_app(args: argparse.Namespace) -> FastAPI:
                  waiting=lambda: sum(w.waiting for w in backend.decode.live() + backend.prefill.live()),
                  kv_usage=kv_usage,
                  queue_tokens=lambda: sum(w.waiting_tokens for w in backend.prefill.live()))
+    metrics.child(metrics.held).set_function(lambda: backend.held.held)
 
     def ready() -> tuple[bool, str]:
+        # With no worker up the router still takes requests when it can hold them (a phase scaled
+        # to zero: its Service must keep routing to the router, whose held count wakes the phases).
         if not backend.decode.live():
+            if backend.polled and backend.held.timeout_s > 0:
+                return True, f"no decode worker is up: requests are held up to {backend.held.timeout_s:g}s"
             return False, "no decode worker is up"
         return True, "ok"
 

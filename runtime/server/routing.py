@@ -98,3 +98,19 @@ def rank_prefill(pool: Pool, rng: random.Random, prompt: list[int] | None = None
     if best is None:
         best = rng.choice([w for w in live if w.queued_tokens == shortest])
     return [best] + sorted((w for w in live if w is not best), key=lambda w: w.queued_tokens)
+
+
+def missing_phase(decode: Pool, prefill: Pool, need_prefill: bool,
+                  exclude: set[str] | frozenset[str] = frozenset()) -> str | None:
+    """The phase a request must wait for, or None when it can be routed now.
+
+    A request always needs a live decode worker (outside `exclude`, those that just refused it).
+    It needs a live prefill worker only where the decode workers may not prefill it themselves
+    (`need_prefill`: the operator sets it when prefill can scale to zero and local prefill is
+    off); otherwise a decode worker given no prefill worker prefills locally, as ever.
+    """
+    if not any(w.url not in exclude for w in decode.live()):
+        return "decode"
+    if need_prefill and not prefill.live():
+        return "prefill"
+    return None

@@ -79,11 +79,19 @@ def test_min_zero_is_legal_with_scale_to_zero_and_in_hpa_mode():
     from phasesplit.operator.metrics.autoscale import planner_config
 
     cfg = planner_config(spec)
-    # Off in the operator until the router holds requests (docs/autoscaling.md): min 0 means 1.
-    assert (cfg.idle_after_s, cfg.prefill.min_replicas, cfg.local_prefill) == (None, 0, False)
-    # HPA mode renders minReplicas 0 as 1 (no HPAScaleToZero gate): legal, documented, not zero.
-    api.InferenceServiceSpec.model_validate(merged(MINIMAL, {"decode": {"minReplicas": 0},
-                                                             "autoscaling": {"mode": "HPA"}}))
+    # On in the operator: the router holds requests that find no worker and the planner wakes on them.
+    assert (cfg.idle_after_s, cfg.prefill.min_replicas, cfg.local_prefill) == (300.0, 0, False)
+    # Without scaleToZero (legal with min 0 only outside Planner mode) nothing goes to zero.
+    assert planner_config(api.InferenceServiceSpec.model_validate(MINIMAL)).idle_after_s is None
+    # HPA mode renders minReplicas 0 as 1 (no HPAScaleToZero gate): legal, documented, not zero,
+    # and the operator says so (a Warning Event with this message).
+    from phasesplit.operator.controller import _hpa_zero
+
+    hpa = api.InferenceServiceSpec.model_validate(merged(MINIMAL, {"decode": {"minReplicas": 0},
+                                                                   "autoscaling": {"mode": "HPA"}}))
+    assert "HPAScaleToZero" in _hpa_zero(hpa) and "rendered as 1" in _hpa_zero(hpa)
+    assert _hpa_zero(spec) is None  # Planner mode does scale to zero
+    assert _hpa_zero(api.InferenceServiceSpec.model_validate(merged(MINIMAL, {"autoscaling": {"mode": "HPA"}}))) is None
 
 
 def test_minimal_object_means_what_the_issue_says():

@@ -289,3 +289,22 @@ def test_phase_pods_carry_their_revision_as_label_and_flag():
     router = objs[("Deployment", "chat-router")]["spec"]["template"]
     assert render.REVISION_LABEL not in router["metadata"]["labels"]
     assert not any(a.startswith("--revision") for a in router["spec"]["containers"][0]["args"])
+
+
+def test_scale_to_zero_sets_the_routers_held_queue():
+    def router_args(spec):
+        return pod(by_key(spec), "router")["containers"][0]["args"]
+
+    assert not any(a.startswith("--hold") or a.startswith("--max-held") for a in router_args(spec_of()))
+    zero = {"scaleToZero": {"idleAfter": "5m", "holdTimeout": "90s", "maxHeld": 32}}
+    both = spec_of(prefill={"replicas": 1, "minReplicas": 0}, decode={"replicas": 1, "minReplicas": 0},
+                   autoscaling=zero)
+    args = router_args(both)
+    assert "--hold-timeout=90s" in args and "--max-held=32" in args
+    assert "--hold-for-prefill" in args  # decode may not prefill locally: a held request waits for both
+    local = spec_of(prefill={"replicas": 1, "minReplicas": 0},
+                    decode={"replicas": 1, "minReplicas": 0, "localPrefillThreshold": 256}, autoscaling=zero)
+    assert "--hold-for-prefill" not in router_args(local)
+    # HPA mode cannot scale to zero (no HPAScaleToZero gate): scaleToZero changes nothing there.
+    hpa = spec_of(decode={"replicas": 1, "minReplicas": 0}, autoscaling={**zero, "mode": "HPA"})
+    assert not any(a.startswith("--hold") for a in router_args(hpa))

@@ -101,3 +101,24 @@ def test_deployment_summary():
     assert status.deployment_summary(body) == {"desired": 3, "replicas": 3, "ready": 2, "updated": 3,
                                                "generation": 4, "observedGeneration": 4}
     assert status.deployment_summary({"metadata": {}, "spec": {}})["ready"] == 0
+
+
+def test_measured_startup_shows_per_phase():
+    st = status.compute_status(OWNER, SPEC, ALL_READY, None, T0, 1, startup={"prefill": 4.0, "decode": 12.25})
+    assert st["prefill"]["startupSeconds"] == 4.0 and st["decode"]["startupSeconds"] == 12.2
+    assert "startupSeconds" not in st["router"]
+    assert "startupSeconds" not in status.compute_status(OWNER, SPEC, ALL_READY, None, T0, 1)["prefill"]
+    api.InferenceServiceStatus.model_validate(st)  # the CRD's status schema has the field
+
+
+def test_at_zero_a_scale_to_zero_service_is_ready_and_says_so():
+    zero = api.InferenceServiceSpec.model_validate({
+        "model": {"name": "m", "builtin": "smollm2"}, "prefill": {"replicas": 1, "minReplicas": 0},
+        "decode": {"replicas": 1, "minReplicas": 0}, "autoscaling": {"scaleToZero": {"idleAfter": "1m"}}})
+    asleep = dict(ALL_READY, prefill=summary(0, 0), decode=summary(0, 0))
+    st = status.compute_status(OWNER, zero, asleep, None, T0, 1)
+    assert conditions(st) == {"Ready": ("True", "Ready"), "PrefillReady": ("True", "ScaledToZero"),
+                              "DecodeReady": ("True", "ScaledToZero"), "RouterReady": ("True", "Available")}
+    # Without scaleToZero a decode pool at zero serves nothing: not ready.
+    assert conditions(status.compute_status(OWNER, SPEC, asleep, None, T0, 1))["DecodeReady"] == (
+        "False", "ScaledToZero")

@@ -132,3 +132,25 @@ def test_promql_reads_window_quantiles_from_router_buckets():
     assert q["kv_usage"].startswith(f"avg({names.KV_USAGE}{{") and 'phase="decode"' in q["kv_usage"]
     colocated = queries("llama", 30, 0.95, front="both", prefill="both", decode="both")
     assert 'phase="router"' not in "".join(colocated.values())
+
+
+def test_held_requests_come_from_the_routers_page_even_with_both_phases_at_zero():
+    """At zero only the router answers scrapes: its held count (the real router Metrics) is the
+    snapshot's held_requests, the demand that wakes the phases."""
+    from phasesplit.runtime.server.metrics import Metrics
+
+    router = Metrics("m", "router")
+    held = {"n": 0}
+    router.child(router.held).set_function(lambda: held["n"])
+
+    def page(t: float) -> Scrape:
+        text = generate_latest(router.registry).decode()
+        return Scrape(t, {"router-0": merge_families(text_string_to_metric_families(text), "router-0")})
+
+    before = page(0)
+    held["n"] = 3
+    s = snapshot(before, page(15), 0.9)
+    assert s.held_requests == 3 and s.request_rate == 0 and s.ready_prefill is None and s.ready_decode is None
+    assert names.HELD in queries("m", 15, 0.9)["held_requests"]
+    # Workers export no held count (only the router holds requests).
+    assert Metrics("m", "decode").held is None
