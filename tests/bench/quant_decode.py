@@ -37,7 +37,6 @@ from tests.bench.engine_peers import (  # noqa: E402
     DECODE_TOKENS,
     OUT_LEN,
     THREADS,
-    VENV_PY,
     build_prompts,
     load1,
     python_for,
@@ -142,7 +141,8 @@ def best(rows: list[dict]) -> dict | None:
 
 def run(name: str, engine: str, kind: str, quantization: str, prompts_path: Path, offline: bool,
         timeout: float) -> dict:
-    py = python_for("llamacpp") if engine == "llamacpp" else VENV_PY
+    # phasesplit runs under this script's own Python (the venv whose phasesplit is measured).
+    py = python_for("llamacpp") if engine == "llamacpp" else Path(sys.executable)
     if engine == "llamacpp" and not py.exists():
         return {"error": f"llama-cpp-python is not installed ({py}); run hack/bench-peers.sh llamacpp"}
     out = Path(f"/tmp/phasesplit-quant-{os.getpid()}-{name.replace(' ', '_')}.json")
@@ -177,7 +177,10 @@ def render(results: dict, meta: dict) -> str:
              "| run | single-request decode tok/s (load) | offline 32 x 256/128 tok/s (load) |",
              "| --- | --- | --- |"]
     for name, *_ in RUNS:
-        r = results.get(name, {})
+        r = results.get(name)
+        if r is None:
+            lines.append(f"| {name} | not run | |")
+            continue
         if "error" in r:
             lines.append(f"| {name} | error: {r['error'].strip().splitlines()[-1][:120] if r['error'].strip() else '?'} | |")
             continue
