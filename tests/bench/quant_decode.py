@@ -15,8 +15,10 @@ and `none`; llama.cpp (llama-cpp-python from hack/bench-peers.sh) on the same tw
 are taken between figures of the same run; the 1-minute load average is kept beside each figure.
 Each figure is the best of --repeats timed runs after a warm-up.
 
-Usage: ~/.cache/phasesplit/venv/bin/python tests/bench/quant_decode.py [--repeats N] [--no-offline]
-       [--no-llamacpp] [--doc docs/benchmarks.md | --no-doc] [--json PATH]
+Usage: ~/.cache/phasesplit/venv/bin/python tests/bench/quant_decode.py [--repeats N] [--offline-repeats N]
+       [--no-offline] [--no-llamacpp] [--only WORD] [--doc docs/benchmarks.md | --no-doc] [--json PATH]
+Rows not run (--only, --no-llamacpp) keep their figures from --json, so a later run can add the
+llama.cpp rows; every row carries its own time and load average.
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ class LlamaCpp:
         return got
 
 
-def worker(engine: str, path: Path, quantization: str, prompts_path: Path, offline: bool, out: Path) -> None:
+def worker(engine: str, path: Path, quantization: str, prompts_path: Path, offline: int, out: Path) -> None:
     prompts = json.loads(prompts_path.read_text())
     eng = (Phasesplit if engine == "phasesplit" else LlamaCpp)(path, quantization)
     res: dict = {"config": eng.config, "decode": [], "offline": []}
@@ -124,7 +126,7 @@ def worker(engine: str, path: Path, quantization: str, prompts_path: Path, offli
         t2 = time.perf_counter()
         res["decode"].append({"tok_s": DECODE_TOKENS / max(1e-9, (t1 - t0) - (t2 - t1)), "load1": la})
     if offline:
-        for batch in prompts["offline"]:
+        for batch in prompts["offline"][:offline]:
             la = load1()
             t0 = time.perf_counter()
             n = eng.generate(batch, OUT_LEN)
@@ -139,7 +141,7 @@ def best(rows: list[dict]) -> dict | None:
     return max(rows, key=lambda r: r["tok_s"]) if rows else None
 
 
-def run(name: str, engine: str, kind: str, quantization: str, prompts_path: Path, offline: bool,
+def run(name: str, engine: str, kind: str, quantization: str, prompts_path: Path, offline: int,
         timeout: float) -> dict:
     # phasesplit runs under this script's own Python (the venv whose phasesplit is measured).
     py = python_for("llamacpp") if engine == "llamacpp" else Path(sys.executable)
@@ -147,7 +149,7 @@ def run(name: str, engine: str, kind: str, quantization: str, prompts_path: Path
         return {"error": f"llama-cpp-python is not installed ({py}); run hack/bench-peers.sh llamacpp"}
     out = Path(f"/tmp/phasesplit-quant-{os.getpid()}-{name.replace(' ', '_')}.json")
     cmd = [str(py), __file__, "--worker", engine, "--file", str(model_file(kind)), "--quantization", quantization,
-           "--prompts", str(prompts_path), "--out", str(out)] + (["--offline"] if offline else [])
+           "--prompts", str(prompts_path), "--out", str(out), "--offline", str(offline)]
     print(f"{name}: running", flush=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     try:
@@ -157,6 +159,7 @@ def run(name: str, engine: str, kind: str, quantization: str, prompts_path: Path
     if p.returncode != 0 or not out.exists():
         return {"error": (p.stderr or p.stdout)[-800:]}
     res = json.loads(out.read_text())
+    res["when"] = time.strftime("%H:%M UTC", time.gmtime())
     out.unlink()
     d, o = best(res["decode"]), best(res["offline"])
     print(f"{name}: decode {d['tok_s']:.1f} tok/s (load {d['load1']})"
@@ -174,18 +177,18 @@ def render(results: dict, meta: dict) -> str:
              f"Run {meta['when']} on {meta['cpu']}, {THREADS} threads; load average (1 min) "
              f"{meta['load_before']} before, {meta['load_after']} after; each figure the best of {meta['repeats']} "
              "with the load average when it started. Command: `" + meta["command"] + "`.", "",
-             "| run | single-request decode tok/s (load) | offline 32 x 256/128 tok/s (load) |",
-             "| --- | --- | --- |"]
+             "| run | single-request decode tok/s (load) | offline 32 x 256/128 tok/s (load) | finished |",
+             "| --- | --- | --- | --- |"]
     for name, *_ in RUNS:
         r = results.get(name)
         if r is None:
-            lines.append(f"| {name} | not run | |")
+            lines.append(f"| {name} | not run | | |")
             continue
         if "error" in r:
-            lines.append(f"| {name} | error: {r['error'].strip().splitlines()[-1][:120] if r['error'].strip() else '?'} | |")
+            lines.append(f"| {name} | error: {r['error'].strip().splitlines()[-1][:120] if r['error'].strip() else '?'} | | |")
             continue
         d, o = best(r.get("decode", [])), best(r.get("offline", []))
-        lines.append(f"| {name} | {_cell(d)} | {_cell(o)} |")
+        lines.append(f"| {name} | {_cell(d)} | {_cell(o)} | {r.get('when', '?')} |")
     lines += ["", "| ratio (same run) | figure | target |", "| --- | --- | --- |",
               f"| decode Q8_0 native / own dequantized | {ratio(results, 'phasesplit Q8_0 native', 'phasesplit Q8_0 dequantized', 'decode')} | >= 1.6x |",
               f"| decode Q8_0 native / llama.cpp Q8_0 | {ratio(results, 'phasesplit Q8_0 native', 'llama.cpp Q8_0', 'decode')} | >= 1.0x |",
@@ -206,6 +209,9 @@ def write_doc(doc: Path, section: str) -> None:
     if BEGIN in text and END in text:
         head, rest = text.split(BEGIN, 1)
         text = head + section + rest.split(END, 1)[1]
+    elif "\n## Operator" in text:  # first run: at the end of the "Engine" part
+        head, rest = text.split("\n## Operator", 1)
+        text = head.rstrip("\n") + "\n\n" + section + "\n\n## Operator" + rest
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     doc.write_text(text)
@@ -216,6 +222,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-offline", action="store_true")
     ap.add_argument("--no-llamacpp", action="store_true")
+    ap.add_argument("--offline-repeats", type=int, default=None, help="timed offline batches (default --repeats)")
+    ap.add_argument("--only", default="", help="run only the rows whose name contains this (e.g. llama.cpp)")
     ap.add_argument("--doc", type=Path, default=DOC)
     ap.add_argument("--no-doc", action="store_true")
     ap.add_argument("--json", type=Path, default=JSON_OUT)
@@ -225,7 +233,7 @@ def main() -> int:
     ap.add_argument("--quantization", default="", help=argparse.SUPPRESS)
     ap.add_argument("--prompts", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    ap.add_argument("--offline", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--offline", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args.worker, args.file, args.quantization, args.prompts, args.offline, args.out)
@@ -238,10 +246,16 @@ def main() -> int:
             "repeats": args.repeats, "cpu": _cpu_name(),
             "command": "python tests/bench/quant_decode.py " + " ".join(sys.argv[1:])}
     results: dict = {}
+    if args.json.exists():  # rows this run skips keep their last figures
+        try:
+            results = json.loads(args.json.read_text()).get("results", {})
+        except ValueError:
+            pass
+    offline = 0 if args.no_offline else (args.offline_repeats or args.repeats)
     for name, engine, kind, quant in RUNS:
-        if engine == "llamacpp" and args.no_llamacpp:
+        if (engine == "llamacpp" and args.no_llamacpp) or args.only not in name:
             continue
-        results[name] = run(name, engine, kind, quant, prompts_path, name in OFFLINE and not args.no_offline,
+        results[name] = run(name, engine, kind, quant, prompts_path, offline if name in OFFLINE else 0,
                             args.timeout)
         if "error" in results[name]:
             print(f"{name}: {results[name]['error']}", flush=True)
