@@ -78,6 +78,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="auto: bfloat16 on CUDA and on CPUs with AVX512-BF16, else float32")
+    g.add_argument("--quantization", choices=("none", "auto", "q8_0", "q4_0", "q4_1"), default="none",
+                   help="none: dequantize a GGUF's weights at load (the reference); auto, or the file's type "
+                        "named: serve Q8_0/Q4_0/Q4_1 projections in their blocks through the CPU kernels "
+                        "(falls back to none, with a log line, where those cannot run; docs/engine.md)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length limit (default: the model's)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")

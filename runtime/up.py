@@ -25,7 +25,8 @@ import httpx
 from phasesplit.runtime import internal_secret
 
 _FORWARD = ("model", "served_model_name", "device", "dtype", "max_model_len", "block_size", "kv_cache_memory",
-            "kv_cache_fraction", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
+            "kv_cache_fraction", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
+            "quantization")
 
 
 def _free_port() -> int:

@@ -17,6 +17,7 @@ from phasesplit.runtime.engine.scheduler import ScheduledBatch
 from phasesplit.runtime.engine.sequence import Sequence
 from phasesplit.runtime.engine.tensor_parallel import Ranks, all_reduce, init_group
 from phasesplit.runtime.kernels import hugepages
+from phasesplit.runtime.model import quantized
 from phasesplit.runtime.model.attention import (
     DECODE_WIDTH_STEP,
     build_metadata,
@@ -55,6 +56,7 @@ class RunnerConfig:
     max_model_len: int | None = None
     threads: int | None = None  # per tensor-parallel rank; None: the allowed CPUs / ranks
     tensor_parallel_size: int = 1
+    quantization: str = "none"  # none: dequantize at load; auto/q8_0/q4_0/q4_1: GGUF blocks (quantized.py)
 
 
 @dataclass
@@ -180,12 +182,13 @@ class ModelRunner:
         with torch.device("meta"):
             model = LlamaModel(self.cfg, self.shard)
         load_weights(model, files, self.dtype, self.device)
+        quantized.apply(model, files, rc.quantization, self.device)
         model.inv_freq = rope_inv_freq(self.cfg).to(self.device)
         if self.tp_size > 1:
             model.all_reduce = all_reduce
         layouts = model.pack_for_cpu()
         if set(layouts) != {"plain"}:
-            log.info("weights re-laid for the CPU matmul: %s",
+            log.info("weight layouts for the CPU matmul: %s",
                      ", ".join(f"{n} {name}" for name, n in sorted(layouts.items())))
         self.model = model.eval()
         self.block_size = rc.block_size

@@ -1,4 +1,8 @@
-"""Compile the C kernels in this folder once, cache the library, load it (CPUs with AVX512-BF16).
+"""Compile the C kernels in this folder once, cache the libraries, load them.
+
+Two libraries, each built only for the instruction sets it names and loaded only on a CPU that
+has them: the bf16 kernels (AVX512-BF16; `library()`) and the quantized-weight matmuls
+(AVX2 + FMA + F16C; `quant_library()`, see cpu_quant.py), which also run where bf16 does not.
 
 The sources are compiled with the system's C compiler on first use and cached under
 `~/.cache/phasesplit/kernels/`, keyed by the sources and flags, so later starts only load the
@@ -21,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -32,6 +37,24 @@ SOURCES = tuple(Path(__file__).with_name(f) for f in ("gemm_bf16.c", "decode_att
 HEADERS = (Path(__file__).with_name("vec_math.h"), Path(__file__).with_name("gemm_block.h"))
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-fopenmp", "-fPIC", "-shared"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One library: what it is built from and for, and which CPU flags it needs to run."""
+
+    prefix: str
+    sources: tuple[Path, ...]
+    headers: tuple[Path, ...]
+    flags: tuple[str, ...]
+    cpu_flags: tuple[str, ...]
+
+
+BF16 = Spec("phasesplit_kernels", SOURCES, HEADERS, tuple(FLAGS), CPU_FLAGS)
+# The quantized matmuls use 256-bit integer dot products (vpmaddubsw), which every x86-64 server
+# CPU of the last decade has; F16C converts the blocks' fp16 scales.
+QUANT = Spec("phasesplit_quant", (Path(__file__).with_name("quant_gemm.c"),), (),
+             ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"), ("avx2", "fma", "f16c"))
 
 
 class KernelUnavailable(RuntimeError):
@@ -51,12 +74,12 @@ def num_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(old)
 
 
-def cpu_supported(cpuinfo: str) -> bool:
-    """Whether /proc/cpuinfo's flags list every instruction set the kernels are built for."""
+def cpu_supported(cpuinfo: str, spec: Spec = BF16) -> bool:
+    """Whether /proc/cpuinfo's flags list every instruction set a library is built for."""
     for line in cpuinfo.splitlines():
         if line.startswith("flags"):
             flags = set(line.split(":", 1)[1].split())
-            return all(f in flags for f in CPU_FLAGS)
+            return all(f in flags for f in spec.cpu_flags)
     return False
 
 
@@ -73,17 +96,17 @@ def _compiler() -> str | None:
     return None
 
 
-def library_name() -> str:
+def library_name(spec: Spec = BF16) -> str:
     """The library's file name: a hash of the sources and flags, so an edit never loads a stale build."""
-    digest = hashlib.sha256(" ".join(FLAGS).encode())
-    for src in SOURCES + HEADERS:
+    digest = hashlib.sha256(" ".join(spec.flags).encode())
+    for src in spec.sources + spec.headers:
         digest.update(src.read_bytes())
-    return f"phasesplit_kernels-{digest.hexdigest()[:16]}.so"
+    return f"{spec.prefix}-{digest.hexdigest()[:16]}.so"
 
 
-def build(cc: str, out_dir: Path) -> Path:
-    """Compile the kernels (once per sources and flags) and return the library's path."""
-    lib = out_dir / library_name()
+def build(cc: str, out_dir: Path, spec: Spec = BF16) -> Path:
+    """Compile a library (once per sources and flags) and return its path."""
+    lib = out_dir / library_name(spec)
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -91,10 +114,10 @@ def build(cc: str, out_dir: Path) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
-                              timeout=300)
+        proc = subprocess.run([cc, *spec.flags, *map(str, spec.sources), "-o", tmp], capture_output=True,
+                              text=True, timeout=300)
         if proc.returncode != 0:
-            raise KernelUnavailable(f"{cc} failed to build the CPU kernels: {proc.stderr.strip()[-600:]}")
+            raise KernelUnavailable(f"{cc} failed to build {spec.prefix}: {proc.stderr.strip()[-600:]}")
         os.replace(tmp, lib)
     finally:
         if os.path.exists(tmp):
@@ -112,35 +135,56 @@ def library() -> ctypes.CDLL | None:
         return None
 
 
+@cache
+def quant_library() -> ctypes.CDLL | None:
+    """The quantized-weight matmuls (cpu_quant.py), or None where they cannot be used here (the
+    reason is logged once; callers then dequantize the weights at load)."""
+    from phasesplit.runtime.kernels import cpu_quant
+
+    try:
+        lib = _open(QUANT)
+        cpu_quant.declare(lib)
+        cpu_quant.self_check(lib)
+        return lib
+    except (KernelUnavailable, OSError, subprocess.SubprocessError) as e:
+        log.info("quantized CPU kernels not used: %s", e)
+        return None
+
+
 def _load() -> ctypes.CDLL:
     from phasesplit.runtime.kernels import cpu_argmax, cpu_attention, cpu_gemm, cpu_norm, cpu_rope
 
-    if os.environ.get("PHASESPLIT_CPU_KERNELS", "1") == "0":
-        raise KernelUnavailable("PHASESPLIT_CPU_KERNELS=0")
-    if platform.system() != "Linux" or platform.machine() != "x86_64":
-        raise KernelUnavailable(f"not an x86-64 Linux machine ({platform.system()} {platform.machine()})")
-    with open("/proc/cpuinfo") as f:
-        if not cpu_supported(f.read()):
-            raise KernelUnavailable(f"the CPU lacks one of {', '.join(CPU_FLAGS)}")
-    prebuilt = Path(os.environ.get("PHASESPLIT_KERNELS_DIR") or _cache_dir()) / library_name()
-    if prebuilt.exists():
-        path = prebuilt
-    else:
-        cc = _compiler()
-        if cc is None:
-            raise KernelUnavailable(f"no C compiler (cc, gcc or clang) on PATH and no {prebuilt}")
-        path = build(cc, _cache_dir())
-    # torch is imported first, so the library's libgomp.so.1 resolves to the one torch loaded:
-    # one OpenMP thread pool for both, not two pools fighting over the same cores.
-    lib = ctypes.CDLL(str(path))
+    lib = _open(BF16)
     for kernel in (cpu_gemm, cpu_attention, cpu_norm, cpu_rope, cpu_argmax):
         kernel.declare(lib)
         kernel.self_check(lib)
     return lib
 
 
+def _open(spec: Spec) -> ctypes.CDLL:
+    """Find (prebuilt or cached) or build a library for this CPU and open it; no checks yet."""
+    if os.environ.get("PHASESPLIT_CPU_KERNELS", "1") == "0":
+        raise KernelUnavailable("PHASESPLIT_CPU_KERNELS=0")
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        raise KernelUnavailable(f"not an x86-64 Linux machine ({platform.system()} {platform.machine()})")
+    with open("/proc/cpuinfo") as f:
+        if not cpu_supported(f.read(), spec):
+            raise KernelUnavailable(f"the CPU lacks one of {', '.join(spec.cpu_flags)}")
+    prebuilt = Path(os.environ.get("PHASESPLIT_KERNELS_DIR") or _cache_dir()) / library_name(spec)
+    if prebuilt.exists():
+        path = prebuilt
+    else:
+        cc = _compiler()
+        if cc is None:
+            raise KernelUnavailable(f"no C compiler (cc, gcc or clang) on PATH and no {prebuilt}")
+        path = build(cc, _cache_dir(), spec)
+    # torch is imported first, so the library's libgomp.so.1 resolves to the one torch loaded:
+    # one OpenMP thread pool for both, not two pools fighting over the same cores.
+    return ctypes.CDLL(str(path))
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Prebuild the library into a folder (for images without a compiler)."""
+    """Prebuild the libraries into a folder (for images without a compiler)."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m phasesplit.runtime.kernels.build", description=main.__doc__)
@@ -151,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         print("no C compiler (cc, gcc or clang) on PATH", flush=True)
         return 1
     try:
-        print(build(cc, args.dir))
+        for spec in (BF16, QUANT):
+            print(build(cc, args.dir, spec))
     except KernelUnavailable as e:
         print(e)
         return 1

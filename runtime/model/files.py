@@ -37,6 +37,7 @@ class ModelFiles:
 
     folder: Path
     name: str  # default served name
+    gguf: Path | None = None  # the GGUF file the folder was converted from (--quantization reads its blocks)
 
 
 def cache_root() -> Path:

@@ -11,14 +11,16 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phasesplit.runtime.kernels import build, cpu_gemm, cpu_norm, cpu_rope, hugepages
+from phasesplit.runtime.kernels import build, cpu_gemm, cpu_norm, cpu_quant, cpu_rope, hugepages
 from phasesplit.runtime.model.attention import AttentionMetadata, LayerCache, layer_caches, paged_attention
 from phasesplit.runtime.model.config import ModelConfig
+from phasesplit.runtime.model.quantized import QuantWeight
 from phasesplit.runtime.model.sharding import Shard, plan
 
 
@@ -57,6 +59,8 @@ class Linear(nn.Module):
         self.tiled: torch.Tensor | None = None  # cpu_gemm's layout
         self._gemm = None
         self._swiglu = False  # tiled with gate and up tiles alternating (pack_for_cpu(swiglu=True))
+        self.blocks: QuantWeight | None = None  # GGUF blocks served natively (quantized.py)
+        self._qlib = None
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor) -> Linear:
@@ -64,9 +68,25 @@ class Linear(nn.Module):
         nn.Module.__init__(lin)
         lin.out_features = weight.shape[0]
         lin.weight = nn.Parameter(weight, requires_grad=False)
-        lin.packed = lin.tiled = lin._gemm = None
+        lin.packed = lin.tiled = lin._gemm = lin.blocks = lin._qlib = None
         lin._swiglu = False
         return lin
+
+    @classmethod
+    def from_blocks(cls, blocks: QuantWeight, qlib) -> Linear:
+        lin = cls.from_weight(torch.empty(0))
+        lin.out_features = blocks.out_features
+        lin.use_blocks(blocks, qlib)
+        return lin
+
+    def use_blocks(self, blocks: QuantWeight, qlib) -> None:
+        """Serve this projection from GGUF blocks through the quantized kernels (`qlib`,
+        build.quant_library()); the dequantized weight is dropped."""
+        want = (self.out_features, self.weight.shape[1] if self.weight.dim() == 2 else blocks.in_features)
+        if (blocks.out_features, blocks.in_features) != want:
+            raise ValueError(f"quantized weight is {blocks.out_features}x{blocks.in_features}, the layer {want}")
+        self.blocks, self._qlib = blocks, qlib
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -74,6 +94,9 @@ class Linear(nn.Module):
         for unrounded sums where the kernel can give them (logits); otherwise it is a hint."""
         if self._swiglu:
             raise RuntimeError("this weight is packed for swiglu(), not for a plain product")
+        if self.blocks is not None:
+            return cpu_quant.matmul(self._qlib, x, self.blocks.blocks, self.blocks.qtype, residual,
+                                    out_dtype or x.dtype)
         if self._gemm is not None:
             return cpu_gemm.matmul(self._gemm, x, self.tiled, self.out_features, residual,
                                    out_dtype or x.dtype)
@@ -102,6 +125,8 @@ class Linear(nn.Module):
         plain copy is dropped, so memory does not grow. Kept plain when neither applies or a
         check fails.
         """
+        if self.blocks is not None:
+            return self.blocks.name
         w = self.weight
         if w.device.type != "cpu" or w.dtype != torch.bfloat16:
             return None
@@ -283,6 +308,8 @@ class LlamaModel(nn.Module):
                 counts[m.pack_for_cpu(swiglu=m is layer.gate_up) or "plain"] += 1
         if self.lm_head is not None:
             counts[self.lm_head.pack_for_cpu() or "plain"] += 1
+        elif self.tied_head is not None:  # already served from GGUF blocks
+            counts[self.tied_head.pack_for_cpu() or "plain"] += 1
         else:  # packing drops only the head module's own reference; the embedding keeps its rows
             head = Linear.from_weight(self.embed.weight)
             if head.pack_for_cpu() == "cpu_gemm":
@@ -293,15 +320,28 @@ class LlamaModel(nn.Module):
 
     def _tiled_on_huge_pages(self) -> None:
         """Move the kernel-laid weights into one block of huge pages (see kernels/hugepages.py):
-        one block, not one per weight, since each allocation rounds up to 2 MiB."""
-        tiled = [m for m in self.modules() if isinstance(m, Linear) and m.tiled is not None]
-        if not tiled:
-            return
-        arena = hugepages.empty(sum(m.tiled.numel() for m in tiled), tiled[0].tiled.dtype)
-        offset = 0
-        for m in tiled:
-            n = m.tiled.numel()
-            view = arena[offset : offset + n].view(m.tiled.shape)
-            view.copy_(m.tiled)
-            m.tiled = view
-            offset += n
+        one block, not one per weight, since each allocation rounds up to 2 MiB. GGUF blocks
+        served natively get a block of their own (another dtype)."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        if self.tied_head is not None and self.tied_head not in linears:
+            linears.append(self.tied_head)
+        tiled = [m for m in linears if m.tiled is not None]
+        if tiled:
+            for m, view in zip(tiled, _on_huge_pages([m.tiled for m in tiled]), strict=True):
+                m.tiled = view
+        quant = [m for m in linears if m.blocks is not None]
+        if quant:
+            for m, view in zip(quant, _on_huge_pages([m.blocks.blocks for m in quant]), strict=True):
+                m.blocks = replace(m.blocks, blocks=view)
+
+
+def _on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of same-dtype tensors, laid one after another in one huge-page block."""
+    arena = hugepages.empty(sum(t.numel() for t in tensors), tensors[0].dtype)
+    views, offset = [], 0
+    for t in tensors:
+        view = arena[offset : offset + t.numel()].view(t.shape)
+        view.copy_(t)
+        views.append(view)
+        offset += t.numel()
+    return views

@@ -39,7 +39,7 @@ def resolve(model: str) -> ModelFiles:
     """Turn --model into a loadable folder, converting a GGUF into the cache on first use."""
     path, name = locate(model)
     if path.is_file():
-        return ModelFiles(_gguf_to_cache(path), name)
+        return ModelFiles(_gguf_to_cache(path), name, gguf=path)
     if not any(path.glob("*.safetensors")):
         raise ModelError(f"{path}: no *.safetensors weights in the folder")
     return ModelFiles(path, name)
@@ -52,6 +52,12 @@ def _gguf_to_cache(path: Path) -> Path:
         return target
     log.info("converting %s into %s (once)", path, target)
     return build_once(target, lambda out: convert_gguf(path, out))
+
+
+def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of Q and K rows (for its RoPE) for rotate-half. Rows move
+    whole, so it applies to dequantized rows and to rows of quantized blocks alike."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def convert_gguf(path: Path, out: Path) -> None:
@@ -69,10 +75,6 @@ def convert_gguf(path: Path, out: Path) -> None:
         t = tensors[name]
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
         return np.ascontiguousarray(arr.reshape([int(d) for d in reversed(t.shape)]), dtype=np.float32)
-
-    def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-        # llama.cpp stores Q and K rows interleaved for its RoPE; undo it for rotate-half.
-        return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
     weights: dict[str, np.ndarray] = {"model.embed_tokens.weight": deq("token_embd.weight"),
                                       "model.norm.weight": deq("output_norm.weight")}

@@ -91,24 +91,39 @@ def kv_owners(shards: list[Shard]) -> list[Shard]:
     return owners
 
 
-def shard_state(state: dict[str, torch.Tensor], cfg: ModelConfig, shard: Shard) -> dict[str, torch.Tensor]:
-    """Slice a fused state dict (loader.py's layout: qkv = [q; k; v] rows, gate_up = [gate; up]
-    rows) down to one rank's weights."""
+def weight_slices(name: str, cfg: ModelConfig, shard: Shard
+                  ) -> tuple[list[tuple[int, int]] | None, tuple[int, int] | None]:
+    """Which part of a fused weight (loader.py's layout: qkv = [q; k; v] rows, gate_up = [gate;
+    up] rows) a rank keeps: row ranges concatenated in order, and a column range; None: all.
+    Shared by dense weights (shard_state) and GGUF blocks (quantized.py, where a column range
+    must fall on block bounds)."""
     if shard.size == 1:
-        return state
+        return None, None
     d, q_all, kv_all = cfg.head_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     (h0, h1), (k0, k1), (f0, f1) = shard.heads, shard.kv_heads, shard.ffn
     inter = cfg.intermediate_size
+    if name.endswith(".qkv.weight"):
+        return [(h0 * d, h1 * d), (q_all + k0 * d, q_all + k1 * d),
+                (q_all + kv_all + k0 * d, q_all + kv_all + k1 * d)], None
+    if name.endswith(".o_proj.weight"):
+        return None, (h0 * d, h1 * d)
+    if name.endswith(".gate_up.weight"):
+        return [(f0, f1), (inter + f0, inter + f1)], None
+    if name.endswith(".down.weight"):
+        return None, (f0, f1)
+    return None, None
+
+
+def shard_state(state: dict[str, torch.Tensor], cfg: ModelConfig, shard: Shard) -> dict[str, torch.Tensor]:
+    """Slice a fused state dict down to one rank's weights (weight_slices)."""
+    if shard.size == 1:
+        return state
     out = {}
     for name, w in state.items():
-        if name.endswith(".qkv.weight"):
-            w = torch.cat([w[h0 * d : h1 * d], w[q_all + k0 * d : q_all + k1 * d],
-                           w[q_all + kv_all + k0 * d : q_all + kv_all + k1 * d]])
-        elif name.endswith(".o_proj.weight"):
-            w = w[:, h0 * d : h1 * d]
-        elif name.endswith(".gate_up.weight"):
-            w = torch.cat([w[f0:f1], w[inter + f0 : inter + f1]])
-        elif name.endswith(".down.weight"):
-            w = w[:, f0:f1]
+        rows, cols = weight_slices(name, cfg, shard)
+        if rows is not None:
+            w = torch.cat([w[lo:hi] for lo, hi in rows])
+        if cols is not None:
+            w = w[:, cols[0] : cols[1]]
         out[name] = w.contiguous()
     return out

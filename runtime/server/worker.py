@@ -22,7 +22,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         runner=RunnerConfig(device=args.device, dtype=args.dtype, block_size=args.block_size,
                             kv_cache_memory=args.kv_cache_memory, kv_cache_fraction=args.kv_cache_fraction,
                             max_model_len=args.max_model_len, threads=args.threads,
-                            tensor_parallel_size=args.tensor_parallel_size),
+                            tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefix_caching=args.prefix_caching,

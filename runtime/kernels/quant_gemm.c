@@ -1,0 +1,223 @@
+// out[M, N] = x[M, K] (fp32) @ W^T (+ residual), W kept in GGUF's block formats: Q8_0, Q4_0, Q4_1.
+//
+// Decode streams every weight once per token, so bytes per weight decide its speed: 1.06 (Q8_0),
+// 0.56 (Q4_0) or 0.63 (Q4_1) instead of 4 (fp32) or 2 (bf16). The blocks are never expanded in
+// memory: each 32-weight block is unpacked into one 256-bit register and multiplied there.
+//
+// As in llama.cpp's ggml, the activation rows are quantized once per call to 8-bit blocks of 32
+// (scale d = max|x| / 127) so that a block's dot product is integer work: vpmaddubsw multiplies
+// unsigned by signed bytes and adds pairs into 16-bit lanes, vpmaddwd adds pairs again into
+// 32-bit lanes, and one fused multiply-add applies the product of the two blocks' scales.
+//   Q4_x weights are 0..15 (unsigned), so they go straight into vpmaddubsw's unsigned side; their
+//   offset (Q4_1's m, Q4_0's -8 d) multiplies the activation block's sum, which is precomputed
+//   per block (s = d * sum(q)), so it costs one scalar multiply-add per block.
+//   Q8_0 weights are signed: |w| goes on the unsigned side and the activation takes w's sign
+//   (vpsignb), which leaves each product unchanged.
+// Products stay exact in 16 bits: 127 * 127 * 2 and 15 * 127 * 2 are below 32767.
+//
+// Work is split over output columns (weight rows) in tiles of TILE_N rows; within a tile the
+// activation rows are taken four at a time, so each unpacked weight block serves four rows and
+// the tile's weights and the four activation rows stay in L1.
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QK 32
+#define TILE_N 16
+#define T_Q4_0 2
+#define T_Q4_1 3
+#define T_Q8_0 8
+
+static inline float f16_at(const uint8_t *p) {
+  uint16_t h;
+  memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+static inline float hsum_ps(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  a = _mm_add_ss(a, _mm_movehdup_ps(a));
+  return _mm_cvtss_f32(a);
+}
+
+static inline float hmax_ps(__m256 v) {
+  __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+  a = _mm_max_ss(a, _mm_movehdup_ps(a));
+  return _mm_cvtss_f32(a);
+}
+
+static inline int hsum_epi32(__m256i v) {
+  __m128i a = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0x4e));
+  a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0xb1));
+  return _mm_cvtsi128_si32(a);
+}
+
+// One activation row -> int8 blocks q, their scales d and d * sum(q) (for the Q4 offsets).
+static void quantize_row(const float *x, long k, int8_t *q, float *d, float *s) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (long b = 0; b < k / QK; b++) {
+    const float *xb = x + b * QK;
+    __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
+    __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
+    __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+    const float mx = hmax_ps(amax);
+    const float db = mx / 127.0f;
+    const __m256 inv = _mm256_set1_ps(mx > 0.0f ? 127.0f / mx : 0.0f);
+    // Round to nearest (the default MXCSR mode), as ggml does.
+    __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
+    __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+    const int sum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3)));
+    // The packs work per 128-bit lane; the permute puts the 4-byte groups back in order.
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+    _mm256_storeu_si256((__m256i *)(q + b * QK), _mm256_permutevar8x32_epi32(p, order));
+    d[b] = db;
+    s[b] = db * (float)sum;
+  }
+}
+
+// Dot products of one weight row (nb blocks of `type`) with R activation rows (stride k bytes
+// in q, nb in d and s). Inlined with constant type and R, so the branches fold away.
+static inline __attribute__((always_inline)) void row_dot(const int type, const int R, const uint8_t *w,
+                                                          long nb, const int8_t *q, const float *d,
+                                                          const float *s, long k, float *res) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  float offs[4] = {0, 0, 0, 0};
+  for (long b = 0; b < nb; b++) {
+    __m256i wv;
+    float dw, mw = 0.0f;
+    if (type == T_Q8_0) {
+      const uint8_t *blk = w + b * 34;
+      dw = f16_at(blk);
+      wv = _mm256_loadu_si256((const __m256i *)(blk + 2));
+    } else {
+      const uint8_t *blk = w + b * (type == T_Q4_1 ? 20 : 18);
+      const uint8_t *nib = blk + (type == T_Q4_1 ? 4 : 2);
+      dw = f16_at(blk);
+      mw = type == T_Q4_1 ? f16_at(blk + 2) : -8.0f * dw;
+      // Byte j holds weight j (low nibble) and weight j + 16 (high nibble).
+      const __m128i t = _mm_loadu_si128((const __m128i *)nib);
+      wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), low4);
+    }
+    const __m256i wu = type == T_Q8_0 ? _mm256_sign_epi8(wv, wv) : wv;
+    for (int r = 0; r < R; r++) {
+      __m256i y = _mm256_loadu_si256((const __m256i *)(q + r * k + b * QK));
+      if (type == T_Q8_0) y = _mm256_sign_epi8(y, wv);
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wu, y), ones));
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * d[r * nb + b]), dot, acc[r]);
+      if (type != T_Q8_0) offs[r] += mw * s[r * nb + b];
+    }
+  }
+  for (int r = 0; r < R; r++) res[r] = hsum_ps(acc[r]) + offs[r];
+}
+
+static inline __attribute__((always_inline)) void tile(const int type, const uint8_t *w, long row_bytes,
+                                                       long j0, long j1, long m, long n, long k,
+                                                       const int8_t *q, const float *d, const float *s,
+                                                       const float *residual, float *out) {
+  const long nb = k / QK;
+  float res[4];
+  for (long i = 0; i < m; i += 4) {
+    const long left = m - i;
+    const int8_t *qi = q + i * k;
+    const float *di = d + i * nb, *si = s + i * nb;
+    for (long j = j0; j < j1; j++) {
+      const uint8_t *wr = w + j * row_bytes;
+      int rows;
+      if (left >= 4) { row_dot(type, 4, wr, nb, qi, di, si, k, res); rows = 4; }
+      else if (left == 3) { row_dot(type, 3, wr, nb, qi, di, si, k, res); rows = 3; }
+      else if (left == 2) { row_dot(type, 2, wr, nb, qi, di, si, k, res); rows = 2; }
+      else { row_dot(type, 1, wr, nb, qi, di, si, k, res); rows = 1; }
+      for (int r = 0; r < rows; r++) {
+        const long o = (i + r) * n + j;
+        out[o] = residual ? res[r] + residual[o] : res[r];
+      }
+    }
+  }
+}
+
+static long block_bytes(int type) {
+  return type == T_Q8_0 ? 34 : type == T_Q4_1 ? 20 : type == T_Q4_0 ? 18 : 0;
+}
+
+// x [m, k] fp32, w [n rows of k/32 blocks, row_bytes apart], residual [m, n] or NULL, out [m, n].
+// Returns 0, -1 for arguments the kernel does not take, -2 when out of memory.
+int ps_qgemm(const float *x, const uint8_t *w, const float *residual, float *out, long m, long n, long k,
+             long row_bytes, int type, int threads) {
+  const long bb = block_bytes(type);
+  if (bb == 0 || m < 1 || n < 1 || k < QK || k % QK || row_bytes < (k / QK) * bb || threads < 1) return -1;
+  const long nb = k / QK;
+  int8_t *q = malloc((size_t)(m * k));
+  float *ds = malloc(sizeof(float) * (size_t)(2 * m * nb));
+  if (!q || !ds) {
+    free(q);
+    free(ds);
+    return -2;
+  }
+  float *d = ds, *s = ds + m * nb;
+#pragma omp parallel for schedule(static) num_threads(threads) if (m >= 8)
+  for (long i = 0; i < m; i++) quantize_row(x + i * k, k, q + i * k, d + i * nb, s + i * nb);
+  const long tiles = (n + TILE_N - 1) / TILE_N;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (long t = 0; t < tiles; t++) {
+    const long j0 = t * TILE_N, j1 = j0 + TILE_N < n ? j0 + TILE_N : n;
+    if (type == T_Q8_0) tile(T_Q8_0, w, row_bytes, j0, j1, m, n, k, q, d, s, residual, out);
+    else if (type == T_Q4_1) tile(T_Q4_1, w, row_bytes, j0, j1, m, n, k, q, d, s, residual, out);
+    else tile(T_Q4_0, w, row_bytes, j0, j1, m, n, k, q, d, s, residual, out);
+  }
+  free(q);
+  free(ds);
+  return 0;
+}
+
+// Blocks -> fp32 rows w_out [n, k]: for many activation rows (prefill chunks) a dense fp32 matmul
+// (oneDNN/MKL, 8 multiply-adds per instruction) beats the integer path, whose per-block scaling
+// costs about as many instructions as its products; dequantizing a layer's weight once per call
+// is then a small share of the call.
+int ps_qdequant(const uint8_t *w, float *w_out, long n, long k, long row_bytes, int type, int threads) {
+  const long bb = block_bytes(type);
+  if (bb == 0 || n < 1 || k < QK || k % QK || row_bytes < (k / QK) * bb || threads < 1) return -1;
+  const long nb = k / QK;
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (long j = 0; j < n; j++) {
+    const uint8_t *wr = w + j * row_bytes;
+    float *o = w_out + j * k;
+    for (long b = 0; b < nb; b++) {
+      const uint8_t *blk = wr + b * bb;
+      __m256i v;
+      float dw = f16_at(blk), mw = 0.0f;
+      if (type == T_Q8_0) {
+        v = _mm256_loadu_si256((const __m256i *)(blk + 2));
+      } else {
+        const __m128i t = _mm_loadu_si128((const __m128i *)(blk + (type == T_Q4_1 ? 4 : 2)));
+        v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), low4);
+        mw = type == T_Q4_1 ? f16_at(blk + 2) : -8.0f * dw;
+      }
+      const __m256 d = _mm256_set1_ps(dw), m = _mm256_set1_ps(mw);
+      const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+      __m256i parts[4];
+      if (type == T_Q8_0) {
+        parts[0] = _mm256_cvtepi8_epi32(lo);
+        parts[1] = _mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8));
+        parts[2] = _mm256_cvtepi8_epi32(hi);
+        parts[3] = _mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8));
+      } else {
+        parts[0] = _mm256_cvtepu8_epi32(lo);
+        parts[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
+        parts[2] = _mm256_cvtepu8_epi32(hi);
+        parts[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
+      }
+      for (int p = 0; p < 4; p++)
+        _mm256_storeu_ps(o + b * QK + 8 * p, _mm256_fmadd_ps(_mm256_cvtepi32_ps(parts[p]), d, m));
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,208 @@
+"""The quantized-weight matmul (quant_gemm.c) against torch, and where it falls back."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from phasesplit.runtime.kernels import build, cpu_quant
+from phasesplit.runtime.model.config import ModelConfig
+from phasesplit.runtime.model.files import ModelFiles, builtin_gguf
+from phasesplit.runtime.model.quantized import apply
+from phasesplit.runtime.model.sharding import plan
+
+NO_KERNELS = "the quantized CPU kernels need an x86-64 CPU with AVX2, FMA and F16C and a C compiler"
+TYPES = {"q8_0": cpu_quant.Q8_0, "q4_0": cpu_quant.Q4_0, "q4_1": cpu_quant.Q4_1}
+
+
+def _lib():
+    lib = build.quant_library()
+    if lib is None:
+        pytest.skip(NO_KERNELS)
+    return lib
+
+
+def _emulated(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """The kernel's arithmetic in numpy: activations rounded to int8 blocks (scale max|x|/127,
+    round half to even), integer block dot products, per-block scales; float64 sums."""
+    xb = x.numpy().reshape(x.shape[0], -1, 32)
+    amax = np.abs(xb).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    xq = np.rint(xb * inv).astype(np.int64)  # [M, nb, 32]
+    dx = (amax / np.float32(127)).astype(np.float64)[..., 0]  # [M, nb]
+    raw = blocks.numpy().reshape(blocks.shape[0], k // 32, -1)
+    dw = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)  # [N, nb]
+    if qtype == cpu_quant.Q8_0:
+        wq, mw = raw[..., 2:].view(np.int8).astype(np.int64), np.zeros_like(dw)
+    else:
+        nib = raw[..., 4:] if qtype == cpu_quant.Q4_1 else raw[..., 2:]
+        wq = np.concatenate([nib & 15, nib >> 4], axis=-1).astype(np.int64)
+        mw = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64) if qtype == cpu_quant.Q4_1 else -8 * dw
+    dots = np.einsum("mbi,nbi->mnb", xq, wq)
+    sums = xq.sum(-1)  # [M, nb]
+    out = np.einsum("mnb,mb,nb->mn", dots, dx, dw) + np.einsum("mb,mb,nb->mn", sums, dx, mw)
+    return torch.from_numpy(out)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kind", list(TYPES))
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 32), (1, 17, 576), (2, 33, 96), (3, 100, 64), (4, 16, 1536),
+                                           (5, 15, 160), (7, 49, 576), (33, 70, 224)])
+def test_matmul_matches_torch(kind: str, m: int, n: int, k: int, threads: int) -> None:
+    lib = _lib()
+    qtype = TYPES[kind]
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    blocks = cpu_quant.quantize(torch.randn(n, k, generator=g), qtype)
+    x = torch.randn(m, k, generator=g) * 3
+    x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
+    residual = torch.randn(m, n, generator=g)
+    with build.num_threads(threads):
+        got = cpu_quant.matmul(lib, x, blocks, qtype)
+        got_res = cpu_quant.matmul(lib, x, blocks, qtype, residual=residual)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    # Exactly the kernel's arithmetic but for the order of float additions.
+    want = _emulated(x, blocks, qtype, k)
+    tol = 1e-5 * (1 + want.abs().max().item())
+    assert (got.double() - want).abs().max().item() <= tol
+    assert (got_res.double() - (want + residual.double())).abs().max().item() <= tol
+    # And close to dequantize-then-matmul, the reference path (activation rounding only).
+    ref = F.linear(x, cpu_quant.dequantize(blocks, qtype, k))
+    assert (got - ref).abs().max().item() <= 0.02 * (1 + ref.abs().max().item())
+
+
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_dense_path_for_many_rows_matches_torch(kind: str) -> None:
+    """From DENSE_ROWS rows on, the C dequantizer + torch's matmul: the dequantized weight equals
+    the gguf package's, so the product is F.linear's (with the residual fused by addmm)."""
+    lib = _lib()
+    qtype = TYPES[kind]
+    g = torch.Generator().manual_seed(5)
+    blocks = cpu_quant.quantize(torch.randn(45, 96, generator=g), qtype)
+    dense = cpu_quant.dequantize(blocks, qtype, 96)
+    assert torch.allclose(cpu_quant.dequantize_fast(lib, blocks, qtype, 96), dense, rtol=1e-6, atol=1e-6)
+    x, r = torch.randn(cpu_quant.DENSE_ROWS, 96, generator=g), torch.randn(cpu_quant.DENSE_ROWS, 45, generator=g)
+    got = cpu_quant.matmul(lib, x, blocks, qtype, residual=r)
+    torch.testing.assert_close(got, F.linear(x, dense) + r, rtol=1e-5, atol=1e-4)
+
+
+def test_rows_do_not_depend_on_the_batch() -> None:
+    """A row's result is the same alone or among others (the 4-row groups and tails)."""
+    lib = _lib()
+    g = torch.Generator().manual_seed(3)
+    blocks = cpu_quant.quantize(torch.randn(40, 128, generator=g), cpu_quant.Q4_1)
+    x = torch.randn(7, 128, generator=g)
+    together = cpu_quant.matmul(lib, x, blocks, cpu_quant.Q4_1)
+    for i in range(7):
+        alone = cpu_quant.matmul(lib, x[i : i + 1], blocks, cpu_quant.Q4_1)
+        assert torch.equal(alone[0], together[i])
+
+
+def test_bf16_activations_come_back_bf16() -> None:
+    lib = _lib()
+    g = torch.Generator().manual_seed(4)
+    blocks = cpu_quant.quantize(torch.randn(24, 64, generator=g), cpu_quant.Q8_0)
+    x = torch.randn(3, 64, generator=g)
+    got = cpu_quant.matmul(lib, x.bfloat16(), blocks, cpu_quant.Q8_0)
+    assert got.dtype == torch.bfloat16
+    ref = F.linear(x, cpu_quant.dequantize(blocks, cpu_quant.Q8_0, 64))
+    assert (got.float() - ref).abs().max().item() <= 0.05 * (1 + ref.abs().max().item())
+
+
+def test_bad_arguments_are_refused() -> None:
+    lib = _lib()
+    blocks = cpu_quant.quantize(torch.randn(8, 64), cpu_quant.Q8_0)
+    with pytest.raises(build.KernelUnavailable, match="rejected"):
+        cpu_quant.matmul(lib, torch.randn(2, 48), blocks, cpu_quant.Q8_0)  # inner size not 64
+    with pytest.raises(build.KernelUnavailable, match="rejected"):
+        cpu_quant.matmul(lib, torch.randn(2, 64), blocks, 99)  # no such type
+
+
+def test_cpu_flags_select_the_library() -> None:
+    flags = "flags : fpu sse2 avx avx2 fma f16c"
+    assert build.cpu_supported(flags, build.QUANT)
+    assert not build.cpu_supported("flags : fpu sse2 avx avx2 f16c", build.QUANT)  # no FMA
+    assert not build.cpu_supported(flags, build.BF16)
+
+
+def test_failed_self_check_means_no_library(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    _lib()
+
+    def broken(lib) -> None:
+        raise build.KernelUnavailable("quantized matmul self-check failed (simulated)")
+
+    monkeypatch.setattr(cpu_quant, "self_check", broken)
+    build.quant_library.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO):
+            assert build.quant_library() is None
+        assert "self-check failed (simulated)" in caplog.text
+    finally:
+        monkeypatch.undo()
+        build.quant_library.cache_clear()
+    assert build.quant_library() is not None
+
+
+def _meta_model(tp: int = 1):
+    from phasesplit.runtime.model.files import model_info, read_config
+    from phasesplit.runtime.model.llama import LlamaModel
+
+    cfg: ModelConfig = read_config(model_info("smollm2"))
+    with torch.device("meta"):
+        return LlamaModel(cfg, plan(cfg, tp)[0])
+
+
+def test_cuda_falls_back_to_dequantized_and_says_so(caplog) -> None:
+    files = ModelFiles(builtin_gguf("smollm2").parent, "smollm2", gguf=builtin_gguf("smollm2"))
+    with caplog.at_level(logging.INFO):
+        assert apply(_meta_model(), files, "auto", torch.device("cuda")) is None
+    assert "no native kernel on cuda; dequantized at load" in caplog.text
+
+
+@pytest.mark.parametrize("tp", [2, 3, 9])
+def test_tensor_parallel_slices_of_blocks_equal_slices_of_the_dequantized_weight(tp: int) -> None:
+    """Each rank's block slice dequantizes to exactly the dense slice shard_state takes; a column
+    bound off the 32-weight blocks (TP=9: MLP columns of 171/170) gives None."""
+    from phasesplit.runtime.model.quantized import QuantWeight, shard_blocks
+    from phasesplit.runtime.model.sharding import shard_state
+
+    cfg = _meta_model().cfg
+    g = torch.Generator().manual_seed(tp)
+    q, kv, inter, h = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size, cfg.hidden_size
+    shapes = {"layers.0.qkv.weight": (q + 2 * kv, h), "layers.0.o_proj.weight": (h, q),
+              "layers.0.gate_up.weight": (2 * inter, h), "layers.0.down.weight": (h, inter)}
+    blocks = {n: QuantWeight(cpu_quant.quantize(torch.randn(*s, generator=g), cpu_quant.Q4_1), cpu_quant.Q4_1, s[1])
+              for n, s in shapes.items()}
+    dense = {n: w.dequantize() for n, w in blocks.items()}
+    for shard in plan(cfg, tp):
+        want = shard_state(dense, cfg, shard)
+        for name, w in blocks.items():
+            got = shard_blocks(w, name, cfg, shard)
+            if tp == 9 and name.endswith("down.weight"):
+                assert got is None
+                continue
+            assert got is not None and torch.equal(got.dequantize(), want[name]), (tp, shard.rank, name)
+
+
+def test_tensor_parallel_rank_dequantizes_only_unaligned_slices(caplog) -> None:
+    _lib()
+    files = ModelFiles(builtin_gguf("smollm2").parent, "smollm2", gguf=builtin_gguf("smollm2"))
+    model = _meta_model(9)
+    with caplog.at_level(logging.INFO):
+        counts = apply(model, files, "auto", torch.device("cpu"))
+    assert counts == {"q4_1": 3 * model.cfg.num_layers, "q8_0": 1, "dequantized": model.cfg.num_layers}
+    assert "slice of down does not fall on 32-weight block bounds" in caplog.text
+    assert model.layers[0].down.blocks is None and model.layers[0].o_proj.blocks.in_features == model.cfg.head_dim
+
+
+def test_named_type_must_match_the_file() -> None:
+    from phasesplit.runtime.model.files import ModelError
+
+    files = ModelFiles(builtin_gguf("smollm2").parent, "smollm2", gguf=builtin_gguf("smollm2"))
+    with pytest.raises(ModelError, match="projections of .* are q4_1"):
+        apply(_meta_model(), files, "q8_0", torch.device("cpu"))
+    with pytest.raises(ModelError, match="needs a GGUF file"):
+        apply(_meta_model(), ModelFiles(builtin_gguf("smollm2").parent, "x"), "q4_1", torch.device("cpu"))
