@@ -265,9 +265,23 @@ def test_a_helm_install_runs_the_operator_as_a_pod_under_its_own_serviceaccount(
     assert status["image"].endswith(node.images["operator"].split("/", 1)[1]), status
 
 
+# What a pod's log says about its start: the model converted or read from the node's cache, and how
+# long loading and the whole start took (runtime/model/loader.py, runtime/server/launch.py).
+STARTUP_MARKS = ("converting ", "converted ", "converted form found", "model loaded", " ready in ")
+
+
+def startup_log(node: Node, pod: str) -> list[str]:
+    out = node.kubectl("-n", NS, "logs", pod, "-c", "runtime", check=False).stdout
+    return [line for line in out.splitlines() if any(m in line for m in STARTUP_MARKS)]
+
+
 def test_b_kubectl_apply_sample_pods_become_ready(node: Node, service):
     for role, s in service["ready_s"].items():
         print(f"\n[b] apply -> {role} pod Ready: {s:.1f} s", end="")
+    for role in ROLES:
+        for p in node.pods(role):
+            for line in startup_log(node, p["metadata"]["name"]):
+                print(f"\n[b]   {role}: {line}", end="")
     for role in ROLES:
         pods = [p for p in node.pods(role) if ready(p)]
         assert len(pods) == 1 and pods[0]["spec"]["nodeName"] == "phasesplit-node", role
@@ -419,6 +433,14 @@ def test_e_decode_lost_mid_stream_clients_never_hang(node: Node, service, how):
     back = replacement_serves(node, url, name)
     print(f"\n[e:{how}] all clients ended {took:.1f} s after the {how}; replacement serving "
           f"{back:.1f} s after that")
+    if how == "delete-pod":
+        # A new pod has a new emptyDir: only the node's model cache (spec.model.cache) spares it
+        # the conversion the first pod did.
+        new = next(p["metadata"]["name"] for p in node.pods("decode") if ready(p) and p["metadata"]["name"] != name)
+        log = startup_log(node, new)
+        print("".join(f"\n[e:{how}]   {line}" for line in log))
+        assert any("converted form found" in line for line in log), f"{new} did not read the node's model cache"
+        assert not any("converting " in line for line in log), f"{new} converted the model again"
 
 
 def metric_total(pod_ip: str, name: str) -> float:
@@ -456,7 +478,11 @@ def test_g_planner_with_pod_metrics_scales_real_pods(node: Node, service, tmp_pa
     before = {p["metadata"]["name"] for role in ("prefill", "decode") for p in node.pods(role)}
     bench = subprocess.Popen(
         [sys.executable, "-m", "phasesplit.runtime.cli", "bench", "--url", url, "--model", "smollm2-135m",
-         "--tokenizer", tokenizer_file(node, tmp_path), "--input-len", "384", "--output-len", "32", "--num-prompts", "240", "--request-rate", "4",
+         # A gentle, long step: arrivals for 4 minutes, so that a new pod (~1-1.5 min to Ready on
+         # this shared machine) still gets new requests, and a backlog that stays well inside the
+         # admission limits (80 requests per decode worker: beyond them the router answers 429).
+         "--tokenizer", tokenizer_file(node, tmp_path), "--input-len", "128", "--output-len", "16",
+         "--num-prompts", "120", "--request-rate", "0.5",
          "--warmup", "0", "--no-progress", "--output-json", str(tmp_path / "bench.json")],
         stdout=open(tmp_path / "bench.log", "wb"), stderr=subprocess.STDOUT)
     try:
