@@ -322,6 +322,16 @@ def test_c_openai_sdk_streams_through_the_router_service(node: Node, service, re
           f"{total:.2f} s total, finish {finish}: {text!r}")
     assert finish in ("stop", "length")
     assert text == reference
+    # Split for real: the prefill pod prefilled and the decode pod received its K/V. A decode worker
+    # that cannot verify its prefill Service's addresses (resolved by DNS) prefills locally, with the
+    # same text: only its counters tell.
+    from phasesplit.runtime import metric_names as names
+
+    ip = next(p for p in node.pods("decode") if ready(p))["status"]["podIP"]
+    kv, local = metric_total(ip, names.KV_BYTES), metric_total(ip, names.LOCAL_PREFILL)
+    print(f"[c] decode worker: {kv:g} KV bytes received from the prefill pod, {local:g} requests prefilled locally")
+    assert kv > 0, (f"the decode worker prefilled locally ({local:g} requests) instead of using the prefill pod: "
+                    "see its log for 'cannot resolve prefill service'")
 
 
 def tokenizer_file(node: Node, tmp_path: Path) -> str:
