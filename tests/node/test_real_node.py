@@ -500,16 +500,22 @@ def test_g_planner_with_pod_metrics_scales_real_pods(node: Node, service, tmp_pa
         raised = wait_until("a scale-up", raised_replicas, timeout=180)
         t_up = time.monotonic()
         print(f"[g] scaled to (prefill, decode) = {raised} {t_up - t_load:.1f} s after the load started")
-        new = wait_until("the new pod Ready", lambda: next(
-            (p for role in ("prefill", "decode") for p in node.pods(role)
-             if ready(p) and p["metadata"]["name"] not in before), None), timeout=300, interval=0.5)
-        print(f"[g] new pod {new['metadata']['name']} Ready {time.monotonic() - t_up:.1f} s after the scale-up")
-        role = new["metadata"]["labels"]["app.kubernetes.io/component"]
-        metric = "phasesplit_request_success_total" if role == "decode" else "phasesplit_prompt_tokens_total"
-        served = wait_until("traffic on the new pod", lambda: metric_total(new["status"]["podIP"], metric),
-                            timeout=240, interval=1)
-        print(f"[g] the new {role} pod served ({metric} = {served:g}) "
-              f"{time.monotonic() - t_up:.1f} s after the scale-up")
+        new_pods = lambda: [p for role in ("prefill", "decode") for p in node.pods(role)  # noqa: E731
+                            if ready(p) and p["metadata"]["name"] not in before]
+        first = wait_until("a new pod Ready", lambda: next(iter(new_pods()), None), timeout=300, interval=0.5)
+        print(f"[g] new pod {first['metadata']['name']} Ready {time.monotonic() - t_up:.1f} s after the scale-up")
+
+        def served() -> tuple[str, str, float] | None:
+            # The router sends requests to decode workers, decode workers send prompts to prefill
+            # workers: whichever phase grew, its new pod must get some.
+            for p in new_pods():
+                role = p["metadata"]["labels"]["app.kubernetes.io/component"]
+                metric = "phasesplit_request_success_total" if role == "decode" else "phasesplit_prompt_tokens_total"
+                if (n := metric_total(p["status"]["podIP"], metric)) > 0:
+                    return p["metadata"]["name"], metric, n
+            return None
+        name, metric, n = wait_until("traffic on a new pod", served, timeout=240, interval=1)
+        print(f"[g] new pod {name} served ({metric} = {n:g}) {time.monotonic() - t_up:.1f} s after the scale-up")
         bench.wait(timeout=900)
         t_end = time.monotonic()
         wait_until("the scale-down to (1, 1)", lambda: apps_replicas() == (1, 1), timeout=window_s + 120)
