@@ -35,6 +35,11 @@ pod_subnet=10.89.0.0/24
 node_ip=10.89.0.1
 cgroup_root=phasesplit-node
 label_key=node.phasesplit.io/real
+# The node's model cache: the hostPath of manifests/samples/smollm2-cpu.yaml's spec.model.cache,
+# writable by the runtime's uid 1000. Like containerd's image store it outlives `down`: the first
+# pod converts the model into it, every later pod (restarts, rollouts, scale-ups, the next run) reads it.
+model_cache=/var/cache/phasesplit
+runtime_uid=1000
 # CPU and memory the node offers pods: 2 cores less what the kubelet, containerd and the host need.
 alloc_cpu_m=${PHASESPLIT_NODE_CPU:-1800m}
 alloc_mem=${PHASESPLIT_NODE_MEMORY:-10Gi}
@@ -289,6 +294,8 @@ up() {
       cat "${d%/*}/cpuset.cpus" > "$d/cpuset.cpus"; cat "${d%/*}/cpuset.mems" > "$d/cpuset.mems"
     fi
   done
+
+  mkdir -p "$model_cache" && chown "$runtime_uid:$runtime_uid" "$model_cache"
 
   leaf kubelet "/O=system:nodes/CN=system:node:$node_name"
   leaf kube-proxy "/CN=system:kube-proxy"

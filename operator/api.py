@@ -163,6 +163,31 @@ class HostPathSource(ApiModel):
                                                         "Face directory (relative; default: the directory itself).")
 
 
+class ModelCacheSpec(ApiModel):
+    """Where the runtime keeps what it derives from the model (a GGUF converted to safetensors, the
+    weights fused for the serving dtype), keyed by the model's content: exactly one of hostPath,
+    claimName. The first pod fills it and the pods after it (restarts, rollouts, scale-ups) read it
+    instead of converting again. Without it each pod converts into its own emptyDir at every start."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [cel(
+        "(has(self.hostPath) ? 1 : 0) + (has(self.claimName) ? 1 : 0) == 1",
+        "spec.model.cache: set exactly one of hostPath or claimName")]})
+
+    host_path: str | None = Field(
+        None, description="A directory on the node, shared by the pods on that node and kept across pod restarts "
+                          "(created if missing; it must be writable by the runtime's uid 1000, or each pod falls "
+                          "back to converting into its own emptyDir).", pattern=r"^/", max_length=1024)
+    claim_name: str | None = Field(
+        None, description="A PersistentVolumeClaim in the InferenceService's namespace (ReadWriteMany: one "
+                          "conversion for every node).", min_length=1, max_length=253)
+
+    @model_validator(mode="after")
+    def _one_place(self) -> ModelCacheSpec:
+        if (self.host_path is None) == (self.claim_name is None):
+            raise ValueError("spec.model.cache: set exactly one of hostPath or claimName")
+        return self
+
+
 class ModelSpec(ApiModel):
     """What model to serve and where its weights come from: exactly one of builtin, pvc, hostPath."""
 
@@ -176,6 +201,9 @@ class ModelSpec(ApiModel):
         None, description="A model bundled in the runtime image: `smollm2` (SmolLM2-135M-Instruct).")
     pvc: PVCSource | None = Field(None, description="Load the model from a PersistentVolumeClaim.")
     host_path: HostPathSource | None = Field(None, description="Load the model from a directory on the node.")
+    cache: ModelCacheSpec | None = Field(
+        None, description="A cache of the converted model that outlives pods (default: none; each pod converts "
+                          "into its own emptyDir at every start).")
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:

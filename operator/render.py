@@ -29,6 +29,8 @@ REVISION_LABEL = "phasesplit.io/revision"
 OPERATOR_POD_LABELS = {"app.kubernetes.io/name": APP_NAME, COMPONENT_LABEL: "operator"}
 API_KEY_ENV = "PHASESPLIT_API_KEY"
 MODEL_MOUNT = "/models"
+# The model cache volume (spec.model.cache), where the runtime's PHASESPLIT_CACHE points.
+CACHE_MOUNT = "/var/cache/phasesplit"
 RUNTIME_UID = 1000
 # Seconds a terminating pod keeps serving before SIGTERM, while its endpoint is marked
 # terminating: the router's EndpointSlice watch and the Services stop sending to it first.
@@ -150,7 +152,9 @@ def revision(spec: api.InferenceServiceSpec) -> str:
     pairs serve side by side and no request mixes them. The served name, resources, replicas and
     placement are left out: changing them moves no K/V."""
     rt = spec.runtime
-    kv_relevant = {"model": {k: v for k, v in spec.model.wire().items() if k != "name"}, "image": rt.image,
+    # The cache only decides where converted weights are kept: the same model gives the same K/V.
+    kv_relevant = {"model": {k: v for k, v in spec.model.wire().items() if k not in ("name", "cache")},
+                   "image": rt.image,
                    "device": rt.device, "dtype": rt.dtype, "blockSize": rt.block_size, "args": list(rt.args)}
     return hashlib.sha256(json.dumps(kv_relevant, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -212,7 +216,8 @@ def _hold_args(spec: api.InferenceServiceSpec) -> list[str]:
 
 
 def _volumes(spec: api.InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
-    # The root filesystem is read-only; the runtime writes its converted-model cache under $HOME.
+    # The root filesystem is read-only; the runtime writes its converted-model cache under $HOME
+    # (the pod's emptyDir), or in spec.model.cache's volume, which outlives the pod.
     volumes = [{"name": "tmp", "emptyDir": {}}]
     mounts = [{"name": "tmp", "mountPath": "/tmp"}]
     source = spec.model
@@ -223,6 +228,13 @@ def _volumes(spec: api.InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
         volumes.append({"name": "model", "hostPath": {"path": source.host_path.directory, "type": "Directory"}})
     if source.pvc or source.host_path:
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    cache = source.cache
+    if cache:
+        # Written by the pods (the first converts, the others read): never read-only.
+        volumes.append({"name": "model-cache", **(
+            {"hostPath": {"path": cache.host_path, "type": "DirectoryOrCreate"}} if cache.host_path
+            else {"persistentVolumeClaim": {"claimName": cache.claim_name}})})
+        mounts.append({"name": "model-cache", "mountPath": CACHE_MOUNT})
     return volumes, mounts
 
 
@@ -233,6 +245,8 @@ def _env(owner: Owner, spec: api.InferenceServiceSpec, component: str) -> list[d
         {"name": "HOME", "value": "/tmp"},
         {"name": "XDG_CACHE_HOME", "value": "/tmp/cache"},
     ]
+    if spec.model.cache:
+        env.append({"name": "PHASESPLIT_CACHE", "value": CACHE_MOUNT})
     # Every pod of the service holds the internal secret (its /internal/* calls and KV handshakes).
     env.append({"name": internal.ENV, "valueFrom": {"secretKeyRef": {"name": internal_secret_name(owner),
                                                                       "key": INTERNAL_SECRET_KEY}}})

@@ -9,6 +9,7 @@ does the work.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from phasesplit.operator.metrics.histogram import Histogram
@@ -40,6 +41,18 @@ class PodSample:
 class Scrape:
     timestamp: float
     pods: dict[str, PodSample]  # pod name → its samples
+
+
+def carry_forward(prev: Scrape | None, cur: Scrape, targets: Iterable[str]) -> Scrape:
+    """cur, plus the last sample of each target that did not answer this time (a timeout on a
+    busy pod). Without it the pod is "new" once it answers again and its lifetime counts land in
+    that one window (seen on the real node: a router missed one scrape, and the next window read
+    12 requests/s and its whole TTFT histogram while nothing arrived, so the planner never scaled
+    down). A carried pod adds nothing to this window and counts from its last sample next time."""
+    if prev is None:
+        return cur
+    missing = {n: s for n, s in prev.pods.items() if n in set(targets) and n not in cur.pods}
+    return Scrape(cur.timestamp, {**missing, **cur.pods}) if missing else cur
 
 
 def _phase_pods(scrape: Scrape, phase: str) -> list[PodSample]:

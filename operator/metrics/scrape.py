@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from phasesplit.operator.metrics.aggregate import PodSample, Scrape, merge_families, snapshot
+from phasesplit.operator.metrics.aggregate import PodSample, Scrape, carry_forward, merge_families, snapshot
 from phasesplit.operator.planner.snapshot import MetricsSnapshot
 
 
@@ -55,6 +55,7 @@ class PodScrapeSource:
                       client: httpx.AsyncClient | None = None) -> MetricsSnapshot | None:
         """client: a shared one (the operator's planner loop keeps one for every service)."""
         cur, self.errors = await scrape(targets, self.timeout_s, client)
+        cur = carry_forward(self.previous, cur, targets)
         prev, self.previous = self.previous, cur
         if prev is None or not cur.pods:
             return None

@@ -481,6 +481,10 @@ class Planner:
             if running > 0:
                 return max(cfg.decode.min_replicas, snap.ready_decode or 1), "requests still running", None
             return cfg.decode.min_replicas, "no traffic", None
+        if isl + osl <= 0:
+            # First tokens seen at the front but no token counts moved on the workers this window
+            # (their scrapes are not simultaneous): nothing to size by, so hold what is ready.
+            return max(cfg.decode.min_replicas, snap.ready_decode or 1), "no token counts this window", None
         context = isl + osl / 2  # mean context over a request's decode life
         # KV demand per request: the seeds' formula, 2·layers·kv_heads·head_dim·bytes·context,
         # with the context at its end (prompt + all generated tokens): blocks are held until then.

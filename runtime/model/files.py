@@ -7,6 +7,7 @@ single weight (`model_info`); turning the weights into safetensors is loader.py'
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -41,10 +42,13 @@ class ModelFiles:
 
 
 def cache_root() -> Path:
-    base = os.environ.get("PHASESPLIT_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "phasesplit"
-    )
-    return Path(base)
+    """Where converted models live: PHASESPLIT_CACHE (in pods, a cache volume shared by the pods on
+    a node or behind a claim, spec.model.cache), else the process's own cache directory."""
+    return Path(os.environ.get("PHASESPLIT_CACHE") or _own_cache_root())
+
+
+def _own_cache_root() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")) / "phasesplit"
 
 
 def builtin_gguf(name: str) -> Path:
@@ -78,12 +82,18 @@ def locate(model: str) -> tuple[Path, str]:
     return path, path.name.lower()
 
 
+# The layout of what loader.convert_gguf writes: part of the cache key, because a cache volume
+# outlives the image that filled it (bump it whenever the converted form changes).
+CONVERTED_FORMAT = 1
+
+
 def file_key(path: Path) -> str:
+    """A GGUF's cache key: its content and the converted form's version."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
             h.update(chunk)
-    return h.hexdigest()[:24]
+    return f"{h.hexdigest()[:24]}-f{CONVERTED_FORMAT}"
 
 
 def check_gguf(path: Path) -> None:
@@ -102,32 +112,64 @@ def model_info(model: str) -> ModelFiles:
         return ModelFiles(path, name)
     check_gguf(path)
     key = file_key(path)
-    for folder in (cache_root() / "models" / key, cache_root() / "meta" / key):
-        if (folder / "phasesplit_config.json").is_file() and (folder / "tokenizer.json").is_file():
-            return ModelFiles(folder, name)
+    for root in dict.fromkeys((cache_root(), _own_cache_root())):
+        for folder in (root / "models" / key, root / "meta" / key):
+            if (folder / "phasesplit_config.json").is_file() and (folder / "tokenizer.json").is_file():
+                return ModelFiles(folder, name)
 
     def write(out: Path) -> None:
         reader = open_gguf(path)
         meta = gguf_metadata(reader)
         write_config_and_tokenizer(meta, gguf_config(path, meta, {t.name for t in reader.tensors}), out)
 
-    return ModelFiles(build_once(cache_root() / "meta" / key, write), name)
+    return ModelFiles(cached("meta", key, write), name)
+
+
+class CacheNotWritable(OSError):
+    """The cache directory cannot be created or written (a shared cache owned by another uid)."""
+
+
+def cached(kind: str, key: str, write: Callable[[Path], None]) -> Path:
+    """cache_root()/kind/key, built once by `write` (see build_once). Where a shared cache
+    (PHASESPLIT_CACHE) cannot be written, the process's own cache takes its place, with a warning:
+    start-up then costs the conversion again, but the pod still serves."""
+    target = cache_root() / kind / key
+    try:
+        return build_once(target, write)
+    except CacheNotWritable as e:
+        own = _own_cache_root() / kind / key
+        if own == target:
+            raise
+        log.warning("the model cache %s cannot be written (%s); using %s for this process only. A cache "
+                    "shared by pods must be writable by uid %d", cache_root(), e, own.parent.parent, os.getuid())
+        return build_once(own, write)
 
 
 def build_once(target: Path, write: Callable[[Path], None]) -> Path:
-    """Fill a cache folder: write into a temporary folder beside it, then rename it into place,
-    so a reader never sees half a folder and concurrent builders do not collide."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    """Fill a cache folder once: write into a temporary folder beside it, then rename it into
+    place, so a reader never sees half a folder. Builders of one folder take turns on a lock file
+    beside it (pods sharing a cache volume start together): the first builds, the others wait and
+    then find the folder built. Raises CacheNotWritable when the cache cannot be written."""
     try:
-        write(tmp)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(target.parent / f".{target.name}.lock", "a")  # noqa: SIM115 - held across the build
+    except OSError as e:
+        raise CacheNotWritable(e.errno, f"{e.strerror}: {e.filename or target.parent}") from None
+    with lock:
         try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process building %s", target)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_dir():  # built while this process waited (or by an earlier one)
+            return target
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+        try:
+            write(tmp)
             tmp.rename(target)
-        except OSError:  # another process built it first
+        except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
-    except Exception:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            raise
     return target
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +22,8 @@ from phasesplit.runtime.model.config import ModelConfig
 from phasesplit.runtime.model.files import (
     ModelError,
     ModelFiles,
-    build_once,
     cache_root,
+    cached,
     check_gguf,
     file_key,
     gguf_config,
@@ -47,11 +49,19 @@ def resolve(model: str) -> ModelFiles:
 
 def _gguf_to_cache(path: Path) -> Path:
     check_gguf(path)
-    target = cache_root() / "models" / file_key(path)
+    key = file_key(path)
+    target = cache_root() / "models" / key
     if (target / "model.safetensors").is_file():
+        log.info("model %s: converted form found in %s", path.name, target)
         return target
-    log.info("converting %s into %s (once)", path, target)
-    return build_once(target, lambda out: convert_gguf(path, out))
+
+    def convert(out: Path) -> None:
+        t0 = time.perf_counter()
+        log.info("converting %s into %s (once)", path, target.parent)
+        convert_gguf(path, out)
+        log.info("converted %s in %.1fs", path.name, time.perf_counter() - t0)
+
+    return cached("models", key, convert)
 
 
 def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -105,18 +115,23 @@ def load_weights(model: torch.nn.Module, files: ModelFiles, dtype: torch.dtype, 
     """
     from safetensors.torch import load_file, save_file
 
-    cached = _fused_path(files, dtype)
-    if cached.is_file():
-        state = load_file(str(cached))
+    fused_file = _fused_path(files, dtype)
+    if fused_file.is_file():
+        state = load_file(str(fused_file))
     else:
         state = {k: v.to(dtype).contiguous() for k, v in _fuse(files, model.cfg, model.lm_head is not None).items()}
+        tmp = None
         try:
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cached.with_suffix(f".tmp{os.getpid()}")
-            save_file(state, str(tmp))
-            tmp.rename(cached)
+            fused_file.parent.mkdir(parents=True, exist_ok=True)
+            # A name no other writer has: pods sharing a cache volume may all be pid 1.
+            fd, tmp = tempfile.mkstemp(dir=fused_file.parent, prefix=f".{fused_file.name}-")
+            os.close(fd)
+            save_file(state, tmp)
+            os.rename(tmp, fused_file)
         except OSError as e:  # a read-only cache only costs start-up time
-            log.warning("cannot cache fused weights at %s: %s", cached, e)
+            log.warning("cannot cache fused weights at %s: %s", fused_file, e)
+            if tmp:
+                Path(tmp).unlink(missing_ok=True)
     shard = getattr(model, "shard", None)
     if shard is not None:
         state = shard_state(state, model.cfg, shard)

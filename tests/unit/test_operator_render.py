@@ -146,6 +146,27 @@ def test_model_volumes_are_read_only():
     assert {"name": "model", "hostPath": {"path": "/srv/models", "type": "Directory"}} in pod(objs, "router")["volumes"]
 
 
+def test_model_cache_volume_is_shared_and_writable():
+    # Without a cache: only the pod's own emptyDir, and no PHASESPLIT_CACHE (the runtime's default).
+    plain = pod(by_key(spec_of()), "decode")
+    assert [v["name"] for v in plain["volumes"]] == ["tmp"]
+    assert "PHASESPLIT_CACHE" not in {e["name"] for e in plain["containers"][0]["env"]}
+    for cache, volume in (
+            ({"hostPath": "/var/cache/phasesplit"},
+             {"hostPath": {"path": "/var/cache/phasesplit", "type": "DirectoryOrCreate"}}),
+            ({"claimName": "models"}, {"persistentVolumeClaim": {"claimName": "models"}})):
+        objs = by_key(spec_of(model={"name": "m", "builtin": "smollm2", "cache": cache}))
+        for component in api.COMPONENTS:  # the router reads the tokenizer from it too
+            spec = pod(objs, component)
+            c = spec["containers"][0]
+            assert {"name": "model-cache", **volume} in spec["volumes"]
+            assert {"name": "model-cache", "mountPath": render.CACHE_MOUNT} in c["volumeMounts"]
+            assert {"name": "PHASESPLIT_CACHE", "value": render.CACHE_MOUNT} in c["env"]
+    # Where the converted weights are kept moves no K/V.
+    assert render.revision(spec_of(model={"name": "smollm2-135m", "builtin": "smollm2",
+                                          "cache": {"claimName": "models"}})) == render.revision(spec_of())
+
+
 def test_placement_resources_and_api_key():
     objs = by_key(spec_of(
         decode={"replicas": 2, "resources": {"limits": {"nvidia.com/gpu": 1}}, "nodeSelector": {"gpu": "h100"},

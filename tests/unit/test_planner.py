@@ -120,6 +120,15 @@ def test_huge_load_goes_to_max_and_idle_goes_to_min_never_zero():
     assert d.desired == {"prefill": 1, "decode": 1}  # min 0 in the spec still means 1
 
 
+def test_first_tokens_without_token_counts_hold_decode():
+    # Seen on the real node: the router's first tokens moved in a window where the workers' token
+    # counters did not (scraped at other instants); sizing divided by a zero KV demand per request.
+    planner = Planner(PlannerConfig(prefill=PhaseLimits(1, 2), decode=PhaseLimits(1, 2), confirm_windows=1),
+                      frozen_model())
+    d = planner.plan(snap(0, rate=2.0, isl=0.0, osl=0.0, ready_decode=2), {"prefill": 1, "decode": 2}, 0)
+    assert d.desired["decode"] == 2 and "no token counts" in d.decode.reason
+
+
 # ---- stale metrics --------------------------------------------------------------------------
 
 def test_stale_metrics_hold_and_report():

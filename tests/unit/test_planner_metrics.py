@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from phasesplit.operator.metrics.aggregate import Scrape, merge_families, snapshot
+from phasesplit.operator.metrics.aggregate import Scrape, carry_forward, merge_families, snapshot
 from phasesplit.operator.metrics.histogram import Histogram as H
 from phasesplit.operator.metrics.prometheus import queries
 from phasesplit.runtime import metric_names as names
@@ -107,6 +107,21 @@ def test_colocated_pods_answer_for_every_phase():
     s = snapshot(before, scrape(10, {"w": both}), 0.9)
     assert s.request_rate == pytest.approx(1.0) and s.mean_prompt_tokens == pytest.approx(500)
     assert s.decode_running == 4 and s.ready_prefill == 1 and s.ready_decode == 1
+
+
+def test_a_pod_that_missed_a_scrape_is_not_counted_whole_when_it_answers_again():
+    router, d1 = Pod("router"), Pod("decode")
+    for _ in range(122):
+        router.c(router.ttft).observe(2.0)
+    first = scrape(0, {"router": router, "d1": d1})
+    # The router times out on the next scrape: its last sample stands in, adding nothing.
+    missed = carry_forward(first, scrape(5, {"d1": d1}), ["router", "d1"])
+    assert snapshot(first, missed, 0.9).request_rate == 0
+    # It answers again with nothing new: still no traffic (not 122 requests in one window).
+    back = carry_forward(missed, scrape(10, {"router": router, "d1": d1}), ["router", "d1"])
+    assert snapshot(missed, back, 0.9).request_rate == 0
+    # A pod no longer among the targets is not carried.
+    assert "router" not in carry_forward(first, scrape(5, {"d1": d1}), ["d1"]).pods
 
 
 def test_restarted_pod_counts_from_zero_and_new_pod_counts_whole():
