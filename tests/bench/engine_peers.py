@@ -218,6 +218,17 @@ class HFEngine:
         return f"transformers {transformers.__version__}, torch {torch.__version__}"
 
 
+def llamacpp_greedy(llm, prompt: list[int], n: int) -> int:
+    """One request through llama-cpp-python's own generate(): greedy, n tokens; the count made."""
+    llm.reset()
+    got = 0
+    for _ in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+        got += 1
+        if got == n:
+            break
+    return got
+
+
 class LlamaCppEngine:
     """llama-cpp-python. One request: its own generate(); a batch: llama_decode with one sequence
     id per request (what llama.cpp's server does with parallel slots), greedy argmax on the logits."""
@@ -275,13 +286,7 @@ class LlamaCppEngine:
 
     def generate(self, prompts: list[list[int]], n: int) -> int:
         if len(prompts) == 1:
-            self.llm.reset()
-            got = 0
-            for _ in self.llm.generate(prompts[0], temp=0.0, top_k=1, reset=True):
-                got += 1
-                if got == n:
-                    break
-            return got
+            return llamacpp_greedy(self.llm, prompts[0], n)
         self._clear()
         # Prefill: 512-token batches of whole prompts, logits only at each prompt's last token.
         pending: list[tuple[int, int, int, bool]] = []

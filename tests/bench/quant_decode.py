@@ -40,6 +40,7 @@ from tests.bench.engine_peers import (  # noqa: E402
     OUT_LEN,
     THREADS,
     build_prompts,
+    llamacpp_greedy,
     load1,
     python_for,
 )
@@ -99,13 +100,7 @@ class LlamaCpp:
 
     def generate(self, prompts: list[list[int]], n: int) -> int:
         assert len(prompts) == 1
-        self.llm.reset()
-        got = 0
-        for _ in self.llm.generate(prompts[0], temp=0.0, top_k=1, reset=True):
-            got += 1
-            if got == n:
-                break
-        return got
+        return llamacpp_greedy(self.llm, prompts[0], n)
 
 
 def worker(engine: str, path: Path, quantization: str, prompts_path: Path, offline: int, out: Path) -> None:
