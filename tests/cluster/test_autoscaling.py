@@ -29,6 +29,7 @@ from kubernetes import client
 
 from phasesplit.operator import api
 from phasesplit.runtime import metric_names as names
+from tests import waiting
 from tests.integration.test_metrics_prometheus import SCRAPE_S, running_prometheus
 from tests.kubecluster import KubeCluster
 from tests.procs import serve
@@ -97,13 +98,7 @@ def operator(kube_cluster: KubeCluster, namespace: str, tmp_path_factory):
 
 
 def wait_for(what, probe, timeout: float = 90.0, interval: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = probe()
-        if got:
-            return got
-        time.sleep(interval)
-    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+    return waiting.wait_until(what, probe, timeout, interval)
 
 
 def test_load_step_scales_up_within_two_intervals_and_down_after_the_window(
