@@ -9,6 +9,7 @@
 #   helm                                                            helm.sh/helm/v3/cmd/helm
 #   kube-state-metrics (the dashboard's replica panels read it)      k8s.io/kube-state-metrics/v2
 #   kubelet kube-proxy (only with `node`: hack/node.sh's real node)  k8s.io/kubernetes
+#   coredns (only with `node`: the real node's cluster DNS)          github.com/coredns/coredns
 #
 #   hack/kube-tools.sh          the control-plane tools
 #   hack/kube-tools.sh node     also kubelet and kube-proxy
@@ -28,6 +29,7 @@ KWOK_VERSION=v0.8.0   # its go.mod has no replace directives, so `go install pkg
 HELM_VERSION=v3.22.0
 # hack/kube/ksm/go.mod pins it (v2.16.0's go.mod has no checksum-database entry on the proxy).
 KSM_VERSION=v2.15.0
+COREDNS_VERSION=v1.14.7   # no replace directives: `go install pkg@version` works
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 wrapper=$root/hack/kube
@@ -176,6 +178,8 @@ if (( with_node )); then
   for cmd in kubelet kube-proxy; do
     build "$cmd" "$KUBE_VERSION node.sum:$node_sum" nodebuild "$bin/.$cmd.tmp" "k8s.io/kubernetes/cmd/$cmd"
   done
+  # Pods find Services by name (a decode pod checks prefill URLs against its prefill Service's name).
+  build coredns "$COREDNS_VERSION" goinstall "$bin/.coredns.tmp" "github.com/coredns/coredns@$COREDNS_VERSION"
 fi
 build etcd "$KUBE_VERSION go.sum:$wrapper_sum" gobuild "$bin/.etcd.tmp" go.etcd.io/etcd/server/v3
 build kwok "$KWOK_VERSION" goinstall "$bin/.kwok.tmp" "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
@@ -207,6 +211,7 @@ etcd=$etcd_version
 kwok=$KWOK_VERSION
 helm=$HELM_VERSION
 kube-state-metrics=$KSM_VERSION
+coredns=$COREDNS_VERSION
 EOF
 
 if (( built > 0 )); then

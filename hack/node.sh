@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A REAL node joined to the local control plane of hack/cluster.sh, beside its kwok GPU nodes:
-# containerd + runc + the CNI bridge plugin (Debian's packages), kubelet and kube-proxy (built from
-# source by hack/kube-tools.sh node), the pause image built here (hack/images.sh). Pods on it run
-# for real: probes, ports, env, read-only root, emptyDir, Services via kube-proxy (nftables mode).
+# containerd + runc + the CNI bridge plugin (Debian's packages), kubelet, kube-proxy and CoreDNS (built
+# from source by hack/kube-tools.sh node), the pause image built here (hack/images.sh). Pods on it run
+# for real: probes, ports, env, read-only root, emptyDir, Services via kube-proxy (nftables mode), and
+# Service names via the cluster DNS (CoreDNS as a host process on the node's bridge address).
 #
 #   hack/node.sh up       start it (the cluster must be up); prints the same exports as cluster.sh
 #   hack/node.sh down     stop it and remove everything it made (hack/cluster.sh down calls this)
@@ -43,6 +44,9 @@ runtime_uid=1000
 # CPU and memory the node offers pods: 2 cores less what the kubelet, containerd and the host need.
 alloc_cpu_m=${PHASESPLIT_NODE_CPU:-1800m}
 alloc_mem=${PHASESPLIT_NODE_MEMORY:-10Gi}
+# The cluster DNS: CoreDNS on the node's bridge address, the kubelet's clusterDNS for every pod.
+cluster_domain=cluster.local
+dns_user=system:phasesplit-node:coredns
 sysctls=(net.bridge.bridge-nf-call-iptables net.ipv4.ip_forward vm.overcommit_memory kernel.panic kernel.panic_on_oops)
 
 say() { echo "[node] $*" >&2; }
@@ -130,7 +134,8 @@ node_ready() {
 
 ready() {
   [[ -f $nstate/ready ]] || return 1
-  is_ours containerd "containerd --config" && is_ours kubelet "kubelet " && is_ours kube-proxy "kube-proxy " || return 1
+  is_ours containerd "containerd --config" && is_ours kubelet "kubelet " && is_ours kube-proxy "kube-proxy " \
+    && is_ours coredns "coredns -conf" || return 1
   node_ready
 }
 
@@ -188,6 +193,24 @@ EOF
   (( reserve_mem_m > 0 )) || reserve_mem_m=256
   local reserve_cpu_m=$(( cpus * 1000 - ${alloc_cpu_m%m} ))
   (( reserve_cpu_m > 0 )) || reserve_cpu_m=100
+  # CoreDNS answers Service and pod names from the API (its kubernetes plugin) and forwards the rest
+  # to the host's resolver; `ready` turns 200 once its Service/EndpointSlice caches have synced.
+  cat > "$nstate/Corefile" <<EOF
+.:53 {
+    bind $node_ip
+    errors
+    ready 127.0.0.1:$dns_ready_port
+    kubernetes $cluster_domain in-addr.arpa ip6.arpa {
+        kubeconfig $nstate/coredns.kubeconfig phasesplit
+        pods insecure
+        fallthrough in-addr.arpa ip6.arpa
+        ttl 5
+    }
+    forward . /etc/resolv.conf
+    cache 5
+    loop
+}
+EOF
   cat > "$nstate/kubelet.yaml" <<EOF
 apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
@@ -206,6 +229,9 @@ cgroupRoot: /$cgroup_root
 failCgroupV1: false
 oomScoreAdj: 0
 failSwapOn: false
+# Pods resolve names through the node's CoreDNS (hack/node.sh starts it before the kubelet).
+clusterDNS: [$node_ip]
+clusterDomain: $cluster_domain
 podLogsDir: $nstate/pod-logs
 registerWithTaints:
 - {key: $label_key, value: "true", effect: NoSchedule}
@@ -258,6 +284,26 @@ ports:
 EOF
 }
 
+# CoreDNS reads Services, EndpointSlices, namespaces and pods: a user with just that (the RBAC
+# that kubeadm gives its CoreDNS), removed again by `down`.
+dns_rbac() {
+  kubectl_ apply -f - >/dev/null <<EOF
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata: {name: "phasesplit-node:coredns", labels: {app.kubernetes.io/managed-by: phasesplit-node}}
+rules:
+- {apiGroups: [""], resources: [endpoints, services, pods, namespaces], verbs: [list, watch]}
+- {apiGroups: [discovery.k8s.io], resources: [endpointslices], verbs: [list, watch]}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata: {name: "phasesplit-node:coredns", labels: {app.kubernetes.io/managed-by: phasesplit-node}}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: "phasesplit-node:coredns"}
+subjects:
+- {apiGroup: rbac.authorization.k8s.io, kind: User, name: "$dns_user"}
+EOF
+}
+
 up() {
   [[ $(id -u) == 0 ]] || die "the node runs containers: run as root"
   bash "$root/hack/cluster.sh" status >/dev/null 2>&1 || die "no cluster in $cstate: hack/cluster.sh up first"
@@ -279,7 +325,7 @@ up() {
   trap 'exit 130' INT TERM
   trap 'if [[ ! -f $nstate/ready ]]; then say "start-up failed; cleaning up"; down; fi' EXIT
   snapshot_host
-  read -r kubelet_port kubelet_healthz_port proxy_healthz_port proxy_metrics_port <<<"$(free_ports 4)"
+  read -r kubelet_port kubelet_healthz_port proxy_healthz_port proxy_metrics_port dns_ready_port <<<"$(free_ports 5)"
 
   # The bridge exists before the kubelet so that the node's address does (the CNI plugin reuses it).
   ip link add "$bridge" type bridge
@@ -299,12 +345,17 @@ up() {
 
   leaf kubelet "/O=system:nodes/CN=system:node:$node_name"
   leaf kube-proxy "/CN=system:kube-proxy"
+  leaf coredns "/CN=$dns_user"
   write_configs
 
   start containerd containerd --config "$nstate/containerd/config.toml"
   wait_for containerd 30 containerd ctr_ version
   PHASESPLIT_CLUSTER_DIR=$cstate bash "$root/hack/images.sh" --import pause >/dev/null
   apiserver_relay
+  dns_rbac
+  # Before the kubelet, so that the first pod's lookups already find it.
+  start coredns "$bin/coredns" -conf "$nstate/Corefile"
+  wait_for "CoreDNS to sync with the API" 60 coredns curl -fsS "http://127.0.0.1:$dns_ready_port/ready"
 
   start kubelet "$bin/kubelet" --config="$nstate/kubelet.yaml" --kubeconfig="$nstate/kubelet.kubeconfig" \
     --hostname-override="$node_name" --node-ip="$node_ip" --root-dir="$nstate/kubelet" \
@@ -345,7 +396,14 @@ drain() {
   done
   # Sandboxes: the kubelet removes them on its own schedule; ask it by waiting a little for none.
   kubectl_ delete node "$node_name" --wait=false >/dev/null 2>&1 || true
+}
+
+# The API objects `up` made besides the node (whether or not the kubelet still runs).
+forget_api_objects() {
+  [[ -f $cstate/kubeconfig ]] || return 0
   kubectl_ -n default delete endpointslice kubernetes-phasesplit-node --ignore-not-found >/dev/null 2>&1 || true
+  kubectl_ delete clusterrolebinding,clusterrole -l app.kubernetes.io/managed-by=phasesplit-node \
+    --ignore-not-found >/dev/null 2>&1 || true
 }
 
 down() {
@@ -353,9 +411,11 @@ down() {
   local bin=""
   [[ -f $cstate/bin-dir ]] && bin=$(cat "$cstate/bin-dir")
   if is_ours kubelet "kubelet " && [[ -f $cstate/kubeconfig ]]; then drain; fi
+  forget_api_objects
   stop_pid kube-proxy
   [[ -x $bin/kube-proxy ]] && "$bin/kube-proxy" --cleanup >/dev/null 2>&1 || true
   stop_pid kubelet
+  stop_pid coredns
   stop_pid apiserver-relay
   if is_ours containerd "containerd --config"; then
     # Whatever the kubelet left: kill tasks, delete containers (their snapshots unmount).

@@ -576,6 +576,7 @@ def test_f_rolling_update_of_a_kv_relevant_arg_never_mixes_revisions(node: Node,
     """dtype float32 -> bfloat16 under load: the prefill, decode (and router) Deployments roll,
     old and new pairs serve side by side, and every greedy output equals one revision's reference."""
     from phasesplit.operator.render import REVISION_LABEL
+    from phasesplit.runtime import metric_names as names
 
     url = service["url"]
     wait_served(url)
@@ -588,6 +589,7 @@ def test_f_rolling_update_of_a_kv_relevant_arg_never_mixes_revisions(node: Node,
     rollout_error: str | None = None
     results: list[tuple[str, float, int | None, str]] = []  # prompt, time, status, text or error
     kv_state: dict[str, dict] = {}  # pod -> its last /internal/state
+    kv_bytes: dict[tuple[str, str], float] = {}  # (revision, pod) -> K/V bytes it received from prefill pods
     stop = threading.Event()
 
     def client(i: int) -> None:
@@ -609,6 +611,8 @@ def test_f_rolling_update_of_a_kv_relevant_arg_never_mixes_revisions(node: Node,
                     try:
                         kv_state[p["metadata"]["name"]] = httpx.get(f"http://{ip}:8000/internal/state",
                                                                      headers=hdrs, timeout=5).json()
+                        key = (p["metadata"]["labels"][REVISION_LABEL], p["metadata"]["name"])
+                        kv_bytes[key] = metric_total(ip, names.KV_BYTES)
                     except (httpx.HTTPError, ValueError):
                         pass
             stop.wait(2)
@@ -664,11 +668,17 @@ def test_f_rolling_update_of_a_kv_relevant_arg_never_mixes_revisions(node: Node,
           f"(over {len(kv_state)} decode pods)")
     for w in wrong[:5]:
         print(f"[f]   {w}")
+    for (rev, pod), n in sorted(kv_bytes.items()):
+        print(f"[f]   decode pod {pod} (revision {rev}): {n:g} K/V bytes received from prefill pods")
     assert by["neither"] == 0, "an output matched neither revision: a request mixed them"
     assert rollout_error is None, rollout_error
     assert by["failed"] == 0, f"{by['failed']} requests failed during the rollout"
     assert mismatched == 0, "the router paired a decode worker with a prefill worker of another layout"
     assert not telling or new_after > 0, "the new revision never served"
+    # The pairing was exercised: the new revision's decode pod took K/V from a prefill pod (of its
+    # revision, or the handshake would have been refused above), not only local prefills.
+    assert any(n > 0 for (rev, _), n in kv_bytes.items() if rev == new_rev), \
+        f"the new revision's decode pod received no K/V from a prefill pod: {kv_bytes}"
 
 
 def test_h_uninstall_and_delete_leave_nothing(node: Node, service):
