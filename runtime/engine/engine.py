@@ -24,6 +24,7 @@ from phasesplit.runtime.engine.model_runner import LayerStream, ModelRunner, Run
 from phasesplit.runtime.engine.sampling import Sampler, choice_seed, logprobs_of
 from phasesplit.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from phasesplit.runtime.engine.sequence import Sequence, Status
+from phasesplit.runtime.engine.step_costs import LinearCost
 from phasesplit.runtime.model.loader import resolve
 from phasesplit.runtime.model.tokenizer import IncrementalDecoder, TextTokenizer
 from phasesplit.runtime.request import RequestError, RequestOutput, SamplingParams
@@ -123,6 +124,7 @@ class LLMEngine:
         self.streams: dict[str, _Stream] = {}
         self.outputs_pending: list[RequestOutput] = []
         self.remote_waiting: list[Sequence] = []  # split decode: waiting for blocks to reserve
+        self.step_cost = LinearCost()  # seconds per step by tokens in it (split placement reads it)
 
     @property
     def max_model_len(self) -> int:
@@ -375,7 +377,9 @@ class LLMEngine:
             outputs.append(self._append_token(seq, token, now, lp))
         outputs.extend(self.outputs_pending)  # the failures
         self.outputs_pending = []
-        self.observer.on_step(batch, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.step_cost.observe(batch.num_tokens, seconds)
+        self.observer.on_step(batch, seconds)
         return outputs
 
     def _sample(self, sampled: list[Sequence], logits, banned: list[list[int]],

@@ -99,6 +99,59 @@ def test_split_equals_colocated(split, colocated, prompts):
     assert wait_no_blocks(decode.url)["allocated_blocks"] == 0
 
 
+def _placements(metrics_text: str) -> dict[tuple[str, str], float]:
+    out = {}
+    for line in metrics_text.splitlines():
+        if line.startswith(names.PREFILL_PLACEMENT + "{"):
+            labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1 : line.index("}")].split(","))
+            out[(labels["where"].strip('"'), labels["reason"].strip('"'))] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_adaptive_placement_equals_colocated(colocated, logs, prompts):
+    """--prefill-placement adaptive on a mix of chats and a ~1,900-token document: the text is
+    colocated's, and the decode worker prefilled some prompts itself and sent others away, each
+    decision counted with its reason. The ITL target is set between what a chat's and the
+    document's prefill steps take on this machine now (measured on the colocated server), so the
+    decisions do not hang on how busy the machine is."""
+    tokenizer = TextTokenizer(resolve("smollm2").folder)
+    document = tokenizer.encode(" ".join(f"Note {i}: the meeting on day {i} discussed budget item {i * 7 % 13} "
+                                         f"and agreed to revisit it." for i in range(120)))[:1900]
+    chats = prompts[:5]
+    # Measured after a first call each, so neither figure includes a cold start.
+    complete(colocated.url, chats[0], max_tokens=1)
+    chat_s = complete(colocated.url, chats[1], max_tokens=1)["phasesplit_timing"]["prefill_s"]
+    doc_s = complete(colocated.url, document[:-1], max_tokens=1)["phasesplit_timing"]["prefill_s"]
+    target = (chat_s * doc_s) ** 0.5
+    mix = [*chats[:3], document, *chats[3:], document[:-7]]
+    reference = texts(colocated.url, mix, 1)
+    budget = ("--max-num-batched-tokens", "2048")  # the document's prefill is one step on either side
+    prefill = serve("prefill", logs, *FP32, *budget)
+    decode = serve("decode", logs, *FP32, *budget, "--prefill-urls", prefill.url, "--prefill-placement", "adaptive",
+                   "--itl-target", f"{target:.4f}")
+    router = serve("router", logs, *FP32, "--prefill-urls", prefill.url, "--decode-urls", decode.url)
+    try:
+        for p in (prefill, decode, router):
+            p.wait_ready()
+        assert texts(router.url, mix, 1) == reference
+        m = httpx.get(decode.url + "/metrics").text
+        placed = _placements(m)
+        local = {reason: n for (where, reason), n in placed.items() if where == "local" and n}
+        remote = {reason: n for (where, reason), n in placed.items() if where == "remote" and n}
+        costs = httpx.get(decode.url + "/internal/state", headers=INTERNAL, timeout=5).json()["placement_costs"]
+        why = f"target {target:.3f} s (chat {chat_s:.3f} s, document {doc_s:.3f} s); {placed}; {costs}"
+        assert local and remote, why
+        assert sum(local.values()) + sum(remote.values()) == len(mix), why
+        assert set(local) <= {"short_prompt", "prefill_queued"} and set(remote) <= {"itl_budget", "remote_faster"}, why
+        # Every local placement is a local prefill too (the older counter stays consistent).
+        assert float(_sample(m, names.LOCAL_PREFILL)) == sum(local.values())
+        assert float(_sample(m, names.KV_BYTES)) > 0
+        assert wait_no_blocks(decode.url)["allocated_blocks"] == 0
+    finally:
+        for p in (router, decode, prefill):
+            p.stop()
+
+
 def test_seeded_sampling_split_equals_colocated(split, colocated, prompts):
     """Non-greedy with a seed: the prefill worker samples the first token and the decode worker
     the rest, yet the text is the colocated one (and colocated stays reproducible)."""
