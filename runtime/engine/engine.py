@@ -325,6 +325,12 @@ class LLMEngine:
                 request_id, [], "", finished=True, finish_reason="error", prompt_tokens=len(seq.prompt_ids),
                 completion_tokens=len(seq.output_ids), error=message, index=seq.index))
 
+    def take_outputs(self) -> list[RequestOutput]:
+        """Outputs made outside a step (a remote prefill's first token, failures), for the caller
+        to send now: left for `step`, a first token would wait for the next forward pass."""
+        outputs, self.outputs_pending = self.outputs_pending, []
+        return outputs
+
     # -- stepping ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

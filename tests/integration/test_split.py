@@ -364,6 +364,56 @@ def test_remote_reservations_count_against_max_num_seqs():
     assert engine.blocks.num_allocated == 0
 
 
+def test_remote_first_token_goes_out_before_the_next_step():
+    """The first token of a remote prefill reaches its stream as soon as the engine thread takes
+    it in, not after the forward pass that computes the second token (one ITL on split's TTFT)."""
+    import asyncio
+
+    from phasesplit.runtime.engine.engine import EngineConfig, EngineObserver, LLMEngine
+    from phasesplit.runtime.engine.model_runner import RunnerConfig
+    from phasesplit.runtime.request import SamplingParams
+    from phasesplit.runtime.server.async_engine import AsyncEngine
+
+    events: list[str] = []
+
+    class Steps(EngineObserver):
+        def on_step(self, batch, seconds):
+            events.append(f"step {len(batch.decode)}")
+
+    engine = LLMEngine("smollm2", EngineConfig(runner=RunnerConfig(dtype="float32", kv_cache_memory=16 << 20)),
+                       observer=Steps())  # the default connector reserves and waits: a remote prefill
+    aengine = AsyncEngine(engine)
+    deliver = aengine._deliver
+
+    def delivered(request_id, item):  # on the engine thread, in order with its steps
+        events.append(f"deliver {getattr(item, 'new_token_ids', item)}")
+        deliver(request_id, item)
+
+    aengine._deliver = delivered
+
+    async def run() -> list[int]:
+        tokens = []
+        outputs = aengine.generate("r", list(range(1, 40)), SamplingParams(max_tokens=3, ignore_eos=True),
+                                   remote=True)
+        first = asyncio.ensure_future(anext(outputs))
+        while not engine.seqs.get("r") or not engine.seqs["r"].block_table:
+            await asyncio.sleep(0.01)
+        aengine.call(lambda e: e.remote_prefilled("r", 7))
+        out = await first
+        tokens += out.new_token_ids
+        async for out in outputs:
+            tokens += out.new_token_ids
+        return tokens
+
+    try:
+        tokens = asyncio.run(run())
+    finally:
+        aengine.shutdown()
+    assert tokens[0] == 7 and len(tokens) == 3
+    assert events[:2] == ["deliver [7]", "step 1"], events  # sent, then the second token computed
+    assert engine.step_cost.count == events.count("step 1") == 2, events
+
+
 def test_local_prefill_threshold_counts_uncached_tokens():
     """--local-prefill-threshold compares the tokens the decode worker's prefix cache lacks, not
     the whole prompt: a long prompt whose prefix is cached here is computed here, a long uncached
