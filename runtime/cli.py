@@ -12,6 +12,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from phasesplit.runtime.disagg.placement import MODES as PLACEMENT_MODES  # pure, import-light
+
 ROLES = ("both", "prefill", "decode", "router")
 FAILURE_POLICIES = ("retry", "local", "fail", "retry-local")  # runtime/disagg/decode.py applies them
 
@@ -129,7 +131,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-timeout", type=parse_seconds, default=30.0,
                    help="decode worker: seconds to wait for a remote prefill")
     g.add_argument("--local-prefill-threshold", type=int, default=0,
-                   help="decode worker: prompts of at most this many uncached tokens are prefilled locally")
+                   help="decode worker: prompts of at most this many uncached tokens are prefilled locally, "
+                        "whatever --prefill-placement decides (an override)")
+    g.add_argument("--prefill-placement", choices=PLACEMENT_MODES, default="static",
+                   help="decode worker: where the other prompts are prefilled. static: on a prefill worker; "
+                        "adaptive: here or there, whichever gives the first token sooner without a step here "
+                        "outgrowing --itl-target, from measured step costs and the prefill queue")
+    g.add_argument("--itl-target", type=seconds_or_zero, default=0.1,
+                   help="decode worker, adaptive placement: the longest step a local prefill may make "
+                        "(0: no limit)")
     g.add_argument("--drain-timeout", type=parse_seconds, default=300.0,
                    help="on SIGTERM: how long to let requests in flight finish before exiting")
     g.add_argument("--revision", default="",
@@ -180,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--on-prefill-failure", choices=FAILURE_POLICIES, default="retry-local")
     up.add_argument("--prefill-timeout", type=parse_seconds, default=30.0)
     up.add_argument("--local-prefill-threshold", type=int, default=0)
+    up.add_argument("--prefill-placement", choices=PLACEMENT_MODES, default="static")
+    up.add_argument("--itl-target", type=seconds_or_zero, default=0.1)
     up.add_argument("--drain-timeout", type=parse_seconds, default=300.0,
                     help="on Ctrl-C: how long each worker may take to finish its requests")
     add_model_args(up)

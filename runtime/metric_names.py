@@ -23,7 +23,10 @@ PREFIX_QUERIES = PREFIX + "prefix_cache_queries_total"
 PREFIX_HITS = PREFIX + "prefix_cache_hits_total"
 PREEMPTIONS = PREFIX + "num_preemptions_total"
 KV_BYTES = PREFIX + "kv_transfer_bytes_total"
-LOCAL_PREFILL = PREFIX + "local_prefill_total"
+LOCAL_PREFILL = PREFIX + "local_prefill_total"  # every prompt a decode worker prefilled itself
+# A decode worker's placement decisions, extra labels where (local|remote) and reason
+# (runtime/disagg/placement.py REASONS); exported by decode workers only, so not in COUNTERS.
+PREFILL_PLACEMENT = PREFIX + "prefill_placement_total"
 KV_TRANSFER_FAILURES = PREFIX + "kv_transfer_failures_total"  # failed remote prefill attempts
 SUCCESS = PREFIX + "request_success_total"  # extra label: finished_reason
 

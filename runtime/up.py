@@ -132,7 +132,8 @@ def up(args: argparse.Namespace) -> int:
         workers += [("prefill", [])] * args.prefill
         workers += [("decode", ["--on-prefill-failure", args.on_prefill_failure, "--prefill-timeout",
                                 str(args.prefill_timeout), "--local-prefill-threshold",
-                                str(args.local_prefill_threshold)])] * args.decode
+                                str(args.local_prefill_threshold), "--prefill-placement",
+                                args.prefill_placement, "--itl-target", str(args.itl_target)])] * args.decode
     cpu_sets = _cpu_sets(len(workers)) if args.pin_cpus else [None] * len(workers)
 
     def shutdown(*_: object) -> None:

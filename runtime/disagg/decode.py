@@ -37,15 +37,20 @@ import httpx
 import torch
 
 from phasesplit.runtime import internal_secret
+from phasesplit.runtime.disagg import placement
 from phasesplit.runtime.disagg.messages import PrefillCall, PrefillDone
 from phasesplit.runtime.engine.engine import KVConnector
 from phasesplit.runtime.engine.sequence import Sequence
+from phasesplit.runtime.engine.step_costs import LinearCost
 from phasesplit.runtime.kv.receiver import KVReceiver
 from phasesplit.runtime.kv.sender import TransferFailed
 from phasesplit.runtime.server.async_engine import AsyncEngine
 from phasesplit.runtime.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
+
+
+HOP_PRIOR_S = 0.01  # a remote prefill's call, handshake and DONE until round trips are measured
 
 
 class RemoteError(RuntimeError):
@@ -112,24 +117,53 @@ class DecodeConnector(KVConnector):
 
     def __init__(self, aengine: AsyncEngine, receiver: KVReceiver, metrics: Metrics, *, kv_host: str,
                  prefill_urls: list[str], policy: str, timeout: float, local_threshold: int, secret: str,
-                 revision: str = "") -> None:
+                 revision: str = "", placement_mode: str = placement.STATIC, itl_target: float | None = None
+                 ) -> None:
         self.aengine, self.receiver, self.metrics = aengine, receiver, metrics
         self.kv_host, self.prefill_urls, self.policy, self.timeout = kv_host, prefill_urls, policy, timeout
         self.local_threshold, self.revision = local_threshold, revision
+        self.placement_mode, self.itl_target = placement_mode, itl_target
+        # Measured round trips of remote prefills (call to K/V in place) by the tokens computed
+        # for them, the prefill worker's queue included. Until measured: this worker's own step
+        # plus a hop (the same model, likely the same hardware).
+        self.remote_cost = LinearCost()
         self.loop: asyncio.AbstractEventLoop | None = None  # bound at start-up
-        self.routes: dict[str, list[str]] = {}  # request -> prefill candidates the router ranked
+        # request -> (prefill candidates the router ranked, prompt tokens queued on the first)
+        self.routes: dict[str, tuple[list[str], int]] = {}
         self.lock = threading.Lock()
         self.transfers: dict[str, RemotePrefill] = {}
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0), headers=internal_secret.headers(secret))
 
     # -- engine thread (KVConnector) --------------------------------------------------------------
 
+    def costs(self) -> tuple[float, float, float, float]:
+        """The fitted costs: this worker's step (base, per token), a remote prefill's round trip
+        (base, per token). Any thread: /internal/state shows them too."""
+        base, per_token = self.aengine.engine.step_cost.fit()
+        with self.lock:
+            rbase, rper_token = self.remote_cost.fit(prior=(base + HOP_PRIOR_S, per_token))
+        return base, per_token, rbase, rper_token
+
+    def figures(self, seq: Sequence) -> placement.Figures:
+        """What placement decides on: the measured costs, this worker's batch and queue, and the
+        router's view of the prefill worker's queue."""
+        sched = self.aengine.engine.scheduler
+        base, per_token, rbase, rper_token = self.costs()
+        queued = sched.waiting_tokens + sum(s.uncomputed for s in sched.running if s.uncomputed > 1)
+        return placement.Figures(
+            prompt_tokens=len(seq.prompt_ids) - seq.num_computed, running=len(sched.running),
+            local_queued_tokens=queued, step_budget=sched.budget, local_base_s=base, local_per_token_s=per_token,
+            remote_base_s=rbase, remote_per_token_s=rper_token,
+            remote_queued_tokens=self.routes.get(seq.request_id, ([], 0))[1], itl_target_s=self.itl_target)
+
     def reserved(self, seq: Sequence) -> bool:
-        """Blocks are reserved: start filling them from a prefill worker, or, for a prompt of at
-        most --local-prefill-threshold uncached tokens, have the engine compute it here."""
-        if len(seq.prompt_ids) - seq.num_computed <= self.local_threshold:
+        """Blocks are reserved: start filling them from a prefill worker, or have the engine
+        compute the prompt here where placement says so (placement.py)."""
+        d = placement.place(self.figures(seq), have_remote=True, threshold=self.local_threshold,
+                            mode=self.placement_mode)
+        self.metrics.place(d.where, d.reason)
+        if d.where == placement.LOCAL:
             self.routes.pop(seq.request_id, None)
-            self.metrics.child(self.metrics.local_prefill).inc()
             return False
         t = RemotePrefill(seq, self.aengine.engine.runner.slots(seq, 0, len(seq.prompt_ids)).cpu())
         with self.lock:
@@ -156,9 +190,10 @@ class DecodeConnector(KVConnector):
 
     # -- event loop -------------------------------------------------------------------------------
 
-    def route(self, request_id: str, urls: list[str]) -> None:
-        """The router's ranking of prefill workers for a request about to be added."""
-        self.routes[request_id] = urls
+    def route(self, request_id: str, urls: list[str], queued_tokens: int = 0) -> None:
+        """The router's ranking of prefill workers for a request about to be added, and the
+        prompt tokens the first had queued when the router last looked."""
+        self.routes[request_id] = (urls, queued_tokens)
 
     def forget(self, request_id: str) -> None:
         self.routes.pop(request_id, None)
@@ -179,11 +214,12 @@ class DecodeConnector(KVConnector):
         errors = []
         rid = t.request_id
         try:
-            for url in attempts(self.routes.pop(rid, []) or list(self.prefill_urls), self.policy):
+            urls, queued = self.routes.pop(rid, None) or (list(self.prefill_urls), 0)
+            for i, url in enumerate(attempts(urls, self.policy)):
                 if t.ended:  # aborted or failed meanwhile: nothing to fall back for
                     return
                 try:
-                    await self._attempt(url, t)
+                    await self._attempt(url, t, queued if i == 0 else 0)
                     return
                 except (httpx.HTTPError, TransferFailed, asyncio.TimeoutError, RemoteError) as e:
                     self.metrics.child(self.metrics.kv_failures).inc()
@@ -191,7 +227,7 @@ class DecodeConnector(KVConnector):
                     log.warning("remote prefill of %s via %s failed: %s", rid, url, e or type(e).__name__)
             why = "; ".join(errors) or "no prefill worker available"
             if self.policy in ("local", "retry-local"):
-                self.metrics.child(self.metrics.local_prefill).inc()
+                self.metrics.place(placement.LOCAL, placement.REMOTE_FAILED)
                 self.aengine.call(lambda e: e.prefill_locally(rid))
             else:
                 self.aengine.call(lambda e: e.fail(rid, f"prefill failed: {why}"))
@@ -200,7 +236,7 @@ class DecodeConnector(KVConnector):
                 if self.transfers.get(rid) is t:
                     del self.transfers[rid]
 
-    async def _attempt(self, url: str, t: RemotePrefill) -> None:
+    async def _attempt(self, url: str, t: RemotePrefill, queued: int) -> None:
         # Random 64-bit ids: a peer cannot guess a transfer it was not given.
         rid, tid = t.request_id, secrets.randbits(64)
         done = asyncio.Event()
@@ -218,7 +254,11 @@ class DecodeConnector(KVConnector):
         landing = self.aengine.engine.runner.kv_landing(len(t.prompt))
         kv = None if landing is None else (t.skip, landing[:, :, t.skip :])
 
+        started = time.monotonic()
+
         def on_done(first_token: int, nbytes: int, seconds: float) -> None:  # receiver thread
+            with self.lock:  # the round trip, for placement: the tokens ahead of it and its own
+                self.remote_cost.observe(queued + len(t.prompt) - t.skip, time.monotonic() - started)
             self.metrics.child(self.metrics.kv_bytes).inc(nbytes)
             self.metrics.child(self.metrics.kv_transfer).observe(seconds)
             if with_logprobs:

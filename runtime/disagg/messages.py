@@ -21,6 +21,8 @@ class GenerateCall(BaseModel):
     prompt_ids: list[int] = Field(min_length=1)
     params: SamplingParams = Field(default_factory=SamplingParams)
     prefill_urls: list[str] = Field(default_factory=list)  # best first; empty: the decode worker's own
+    # Prompt tokens queued on the first of them when the router last polled it (placement.py)
+    prefill_queued_tokens: int = Field(default=0, ge=0)
 
 
 class PrefillCall(BaseModel):

@@ -24,6 +24,7 @@ from phasesplit.runtime.engine.model_runner import LayerStream, ModelRunner, Run
 from phasesplit.runtime.engine.sampling import Sampler, choice_seed, logprobs_of
 from phasesplit.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from phasesplit.runtime.engine.sequence import Sequence, Status
+from phasesplit.runtime.engine.step_costs import LinearCost
 from phasesplit.runtime.model.loader import resolve
 from phasesplit.runtime.model.tokenizer import IncrementalDecoder, TextTokenizer
 from phasesplit.runtime.request import RequestError, RequestOutput, SamplingParams
@@ -123,6 +124,7 @@ class LLMEngine:
         self.streams: dict[str, _Stream] = {}
         self.outputs_pending: list[RequestOutput] = []
         self.remote_waiting: list[Sequence] = []  # split decode: waiting for blocks to reserve
+        self.step_cost = LinearCost()  # seconds per step by tokens in it (split placement reads it)
 
     @property
     def max_model_len(self) -> int:
@@ -323,6 +325,12 @@ class LLMEngine:
                 request_id, [], "", finished=True, finish_reason="error", prompt_tokens=len(seq.prompt_ids),
                 completion_tokens=len(seq.output_ids), error=message, index=seq.index))
 
+    def take_outputs(self) -> list[RequestOutput]:
+        """Outputs made outside a step (a remote prefill's first token, failures), for the caller
+        to send now: left for `step`, a first token would wait for the next forward pass."""
+        outputs, self.outputs_pending = self.outputs_pending, []
+        return outputs
+
     # -- stepping ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -375,7 +383,9 @@ class LLMEngine:
             outputs.append(self._append_token(seq, token, now, lp))
         outputs.extend(self.outputs_pending)  # the failures
         self.outputs_pending = []
-        self.observer.on_step(batch, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.step_cost.observe(batch.num_tokens, seconds)
+        self.observer.on_step(batch, seconds)
         return outputs
 
     def _sample(self, sampled: list[Sequence], logits, banned: list[list[int]],

@@ -3,7 +3,9 @@
 Every step the scheduler fills a token budget: first one token for each decoding sequence (so
 a long prompt never stalls running streams), then prompt chunks, shortest remaining prompt
 first (started or newly admitted alike), with a quarter of the step kept for the oldest started
-prompt so that long prompts still progress. When the cache runs out the most recently admitted
+prompt so that long prompts still progress, and a waiting prompt that has waited more than
+`max_wait_steps` steps ahead of every shorter one (an aging bound: a steady stream of short
+prompts cannot keep a long one out of the batch). When the cache runs out the most recently admitted
 sequence is preempted: its blocks are freed and it goes back to the front of the queue, to be
 recomputed (its prefix blocks often survive in the prefix cache).
 """
@@ -15,6 +17,10 @@ from dataclasses import dataclass, field
 
 from phasesplit.runtime.engine.block_manager import BlockManager
 from phasesplit.runtime.engine.sequence import Sequence, Status
+
+# Steps a waiting prompt may be passed over by shorter ones before it goes first: at ~20-50 ms a
+# step on the reference CPU, about 1-3 s.
+MAX_WAIT_STEPS = 64
 
 
 @dataclass
@@ -33,8 +39,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_wait_steps: int = MAX_WAIT_STEPS) -> None:
         self.blocks = blocks
+        self.max_wait_steps = max_wait_steps
+        self.steps = 0  # schedule() calls so far: the aging clock, in steps rather than seconds
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -42,6 +51,7 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        seq.queued_step = self.steps
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -52,6 +62,7 @@ class Scheduler:
         return sum(s.uncomputed for s in self.waiting)
 
     def schedule(self) -> ScheduledBatch:
+        self.steps += 1
         batch = ScheduledBatch()
         active = [s for s in self.running if s.status is Status.RUNNING]
         # 1. Decoding sequences: one token each, preempting the newest when blocks run out.
@@ -81,7 +92,12 @@ class Scheduler:
         if partial and budget > 0:
             grants[id(partial[0])] = min(partial[0].uncomputed, max(1, self.budget // 4), budget)
             budget -= grants[id(partial[0])]
-        for seq in sorted([*partial, *self.waiting], key=lambda s: s.uncomputed):  # stable: FIFO ties
+        def order(s: Sequence) -> tuple[int, int]:  # aged waiting prompts first, oldest first; then shortest
+            if s.status is not Status.RUNNING and self.steps - s.queued_step > self.max_wait_steps:
+                return (0, s.queued_step)
+            return (1, s.uncomputed)
+
+        for seq in sorted([*partial, *self.waiting], key=order):  # stable: FIFO ties
             if budget == 0:
                 break
             if seq.status is Status.RUNNING:
@@ -123,6 +139,7 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.running.remove(seq)
+        seq.queued_step = self.steps
         self.waiting.appendleft(seq)
         batch.preempted.append(seq)
         if seq in batch.decode:

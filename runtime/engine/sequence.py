@@ -34,6 +34,7 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_preemptions: int = 0
+    queued_step: int = 0  # the scheduler step it (re)joined the waiting queue at (aging)
     prefill_only: bool = False  # prefill worker: stop after the first token
     kv_transfer_s: float | None = None  # split mode: seconds the prompt's K/V took to arrive
     group: str = ""  # the request this sequence is a choice of (its own id when n == 1)

@@ -129,9 +129,8 @@ class AsyncEngine:
                 self.engine.fail(rid, f"generation failed: {exc}")
             except Exception:  # noqa: BLE001
                 log.exception("cannot fail request %s", rid)
-        for out in self.engine.outputs_pending:
+        for out in self.engine.take_outputs():
             self._deliver(out.request_id, out)
-        self.engine.outputs_pending = []
 
     def _run(self) -> None:
         e = self.engine
@@ -150,6 +149,10 @@ class AsyncEngine:
                         kind, payload = self.inbox.get_nowait()
                     except queue.Empty:
                         kind = None
+                # A remote prefill's first token (a call above) goes out now, not after the step
+                # that computes the second: on the split TTFT path, that step was one ITL.
+                for out in e.take_outputs():
+                    self._deliver(out.request_id, out)
                 if e.has_work():
                     for out in e.step():
                         self._deliver(out.request_id, out)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from phasesplit.runtime import metric_names as n
+from phasesplit.runtime.disagg.placement import OUTCOMES
 from phasesplit.runtime.metric_names import (
     E2E_BUCKETS,
     HELD_BUCKETS,
@@ -54,6 +55,8 @@ class Metrics:
         self.local_prefill = counter(n.LOCAL_PREFILL, "Decode-worker requests prefilled locally")
         self.kv_failures = counter(n.KV_TRANSFER_FAILURES,
                                    "Remote prefill attempts that failed (refused, timed out or KV stream cut)")
+        self.placement = Counter(n.PREFILL_PLACEMENT, "Decode-worker prefill placement decisions",
+                                 [*names, "where", "reason"], registry=r)
         self.success = Counter(n.SUCCESS, "Finished requests by reason", [*names, "finished_reason"], registry=r)
         self.running = gauge(n.RUNNING, "Requests in the running batch")
         self.waiting = gauge(n.WAITING, "Requests waiting to be scheduled")
@@ -69,6 +72,15 @@ class Metrics:
                        self.generation_tokens, self.prefix_queries, self.prefix_hits, self.preemptions,
                        self.kv_bytes, self.local_prefill, self.kv_failures):
             self.child(metric)
+        if phase == "decode":
+            for where, reason in OUTCOMES:
+                self.placement.labels(**self.labels, where=where, reason=reason)
+
+    def place(self, where: str, reason: str) -> None:
+        """Count one placement decision; every local one is a local prefill too."""
+        self.placement.labels(**self.labels, where=where, reason=reason).inc()
+        if where == "local":
+            self.child(self.local_prefill).inc()
 
     def bind(self, running: Callable[[], float], waiting: Callable[[], float], kv_usage: Callable[[], float],
              queue_tokens: Callable[[], float] | None = None) -> None:

@@ -153,13 +153,15 @@ class RemoteBackend:
     async def _generate_on(self, worker: Worker, request_id: str, prompt_ids: list[int], params: SamplingParams,
                            start: float) -> AsyncIterator[RequestOutput]:
         prefill = rank_prefill(self.prefill, self.rng, prompt_ids, revision=worker.revision)
+        queued = prefill[0].queued_tokens if prefill else 0  # ahead of this prompt
         if prefill:
             prefill[0].waiting_tokens += len(prompt_ids)
             prefill[0].queued_tokens += len(prompt_ids)
         worker.inflight += 1
         m = self.metrics
         body = GenerateCall(request_id=request_id, prompt_ids=prompt_ids, params=params,
-                            prefill_urls=[w.url for w in prefill]).model_dump(mode="json")
+                            prefill_urls=[w.url for w in prefill], prefill_queued_tokens=queued
+                            ).model_dump(mode="json")
         last = None
         pending = params.num_seqs
         try:

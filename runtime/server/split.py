@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from phasesplit.runtime import internal_secret
+from phasesplit.runtime.disagg import placement
 from phasesplit.runtime.disagg.decode import DecodeConnector, KnownPrefill
 from phasesplit.runtime.disagg.messages import GenerateCall, PrefillCall
 from phasesplit.runtime.disagg.prefill import PrefillConnector
@@ -125,7 +126,8 @@ def build_decode_app(args: argparse.Namespace) -> FastAPI:
     connector = DecodeConnector(aengine, receiver, metrics, kv_host=kv_host, prefill_urls=list(args.prefill_urls),
                                 policy=args.on_prefill_failure, timeout=args.prefill_timeout,
                                 local_threshold=args.local_prefill_threshold, secret=secret,
-                                revision=args.revision)
+                                revision=args.revision, placement_mode=args.prefill_placement,
+                                itl_target=args.itl_target or None)
     engine.connector = connector
     known = KnownPrefill(list(args.prefill_urls), args.prefill_service)
     app = _worker_app("phasesplit decode worker", engine, metrics, aengine, secret, args)
@@ -145,7 +147,9 @@ def build_decode_app(args: argparse.Namespace) -> FastAPI:
     async def state() -> dict[str, Any]:
         return {**engine.state(), "kv_port": receiver.port, "kv_rejected": receiver.rejected,
                 "kv_refused": receiver.refused, "kv_mismatched": receiver.mismatched,
-                "kv_connections": receiver.connections, "revision": args.revision, "kv_layout": layout}
+                "kv_connections": receiver.connections, "revision": args.revision, "kv_layout": layout,
+                "placement_costs": dict(zip(("local_base_s", "local_per_token_s", "remote_base_s",
+                                             "remote_per_token_s"), connector.costs(), strict=True))}
 
     @app.post("/internal/generate")
     async def generate(call: GenerateCall, request: Request):
@@ -161,9 +165,9 @@ def build_decode_app(args: argparse.Namespace) -> FastAPI:
             return JSONResponse(error_body(str(e), "requests", code="rate_limit_exceeded"), status_code=429,
                                 headers={"Retry-After": str(e.retry_after)})
         if urls:
-            connector.route(call.request_id, urls)
+            connector.route(call.request_id, urls, call.prefill_queued_tokens)
         else:
-            metrics.child(metrics.local_prefill).inc()
+            metrics.place(placement.LOCAL, placement.NO_PREFILL_WORKER)
 
         async def lines() -> AsyncIterator[bytes]:
             outputs = aengine.generate(call.request_id, call.prompt_ids, call.params, remote=bool(urls))

@@ -99,6 +99,59 @@ def test_split_equals_colocated(split, colocated, prompts):
     assert wait_no_blocks(decode.url)["allocated_blocks"] == 0
 
 
+def _placements(metrics_text: str) -> dict[tuple[str, str], float]:
+    out = {}
+    for line in metrics_text.splitlines():
+        if line.startswith(names.PREFILL_PLACEMENT + "{"):
+            labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1 : line.index("}")].split(","))
+            out[(labels["where"].strip('"'), labels["reason"].strip('"'))] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_adaptive_placement_equals_colocated(colocated, logs, prompts):
+    """--prefill-placement adaptive on a mix of chats and a ~1,900-token document: the text is
+    colocated's, and the decode worker prefilled some prompts itself and sent others away, each
+    decision counted with its reason. The ITL target is set between what a chat's and the
+    document's prefill steps take on this machine now (measured on the colocated server), so the
+    decisions do not hang on how busy the machine is."""
+    tokenizer = TextTokenizer(resolve("smollm2").folder)
+    document = tokenizer.encode(" ".join(f"Note {i}: the meeting on day {i} discussed budget item {i * 7 % 13} "
+                                         f"and agreed to revisit it." for i in range(120)))[:1900]
+    chats = prompts[:5]
+    # Measured after a first call each, so neither figure includes a cold start.
+    complete(colocated.url, chats[0], max_tokens=1)
+    chat_s = complete(colocated.url, chats[1], max_tokens=1)["phasesplit_timing"]["prefill_s"]
+    doc_s = complete(colocated.url, document[:-1], max_tokens=1)["phasesplit_timing"]["prefill_s"]
+    target = (chat_s * doc_s) ** 0.5
+    mix = [*chats[:3], document, *chats[3:], document[:-7]]
+    reference = texts(colocated.url, mix, 1)
+    budget = ("--max-num-batched-tokens", "2048")  # the document's prefill is one step on either side
+    prefill = serve("prefill", logs, *FP32, *budget)
+    decode = serve("decode", logs, *FP32, *budget, "--prefill-urls", prefill.url, "--prefill-placement", "adaptive",
+                   "--itl-target", f"{target:.4f}")
+    router = serve("router", logs, *FP32, "--prefill-urls", prefill.url, "--decode-urls", decode.url)
+    try:
+        for p in (prefill, decode, router):
+            p.wait_ready()
+        assert texts(router.url, mix, 1) == reference
+        m = httpx.get(decode.url + "/metrics").text
+        placed = _placements(m)
+        local = {reason: n for (where, reason), n in placed.items() if where == "local" and n}
+        remote = {reason: n for (where, reason), n in placed.items() if where == "remote" and n}
+        costs = httpx.get(decode.url + "/internal/state", headers=INTERNAL, timeout=5).json()["placement_costs"]
+        why = f"target {target:.3f} s (chat {chat_s:.3f} s, document {doc_s:.3f} s); {placed}; {costs}"
+        assert local and remote, why
+        assert sum(local.values()) + sum(remote.values()) == len(mix), why
+        assert set(local) <= {"short_prompt", "prefill_queued"} and set(remote) <= {"itl_budget", "remote_faster"}, why
+        # Every local placement is a local prefill too (the older counter stays consistent).
+        assert float(_sample(m, names.LOCAL_PREFILL)) == sum(local.values())
+        assert float(_sample(m, names.KV_BYTES)) > 0
+        assert wait_no_blocks(decode.url)["allocated_blocks"] == 0
+    finally:
+        for p in (router, decode, prefill):
+            p.stop()
+
+
 def test_seeded_sampling_split_equals_colocated(split, colocated, prompts):
     """Non-greedy with a seed: the prefill worker samples the first token and the decode worker
     the rest, yet the text is the colocated one (and colocated stays reproducible)."""
@@ -309,6 +362,56 @@ def test_remote_reservations_count_against_max_num_seqs():
     for r in "ac":
         engine.abort(r)
     assert engine.blocks.num_allocated == 0
+
+
+def test_remote_first_token_goes_out_before_the_next_step():
+    """The first token of a remote prefill reaches its stream as soon as the engine thread takes
+    it in, not after the forward pass that computes the second token (one ITL on split's TTFT)."""
+    import asyncio
+
+    from phasesplit.runtime.engine.engine import EngineConfig, EngineObserver, LLMEngine
+    from phasesplit.runtime.engine.model_runner import RunnerConfig
+    from phasesplit.runtime.request import SamplingParams
+    from phasesplit.runtime.server.async_engine import AsyncEngine
+
+    events: list[str] = []
+
+    class Steps(EngineObserver):
+        def on_step(self, batch, seconds):
+            events.append(f"step {len(batch.decode)}")
+
+    engine = LLMEngine("smollm2", EngineConfig(runner=RunnerConfig(dtype="float32", kv_cache_memory=16 << 20)),
+                       observer=Steps())  # the default connector reserves and waits: a remote prefill
+    aengine = AsyncEngine(engine)
+    deliver = aengine._deliver
+
+    def delivered(request_id, item):  # on the engine thread, in order with its steps
+        events.append(f"deliver {getattr(item, 'new_token_ids', item)}")
+        deliver(request_id, item)
+
+    aengine._deliver = delivered
+
+    async def run() -> list[int]:
+        tokens = []
+        outputs = aengine.generate("r", list(range(1, 40)), SamplingParams(max_tokens=3, ignore_eos=True),
+                                   remote=True)
+        first = asyncio.ensure_future(anext(outputs))
+        while not engine.seqs.get("r") or not engine.seqs["r"].block_table:
+            await asyncio.sleep(0.01)
+        aengine.call(lambda e: e.remote_prefilled("r", 7))
+        out = await first
+        tokens += out.new_token_ids
+        async for out in outputs:
+            tokens += out.new_token_ids
+        return tokens
+
+    try:
+        tokens = asyncio.run(run())
+    finally:
+        aengine.shutdown()
+    assert tokens[0] == 7 and len(tokens) == 3
+    assert events[:2] == ["deliver [7]", "step 1"], events  # sent, then the second token computed
+    assert engine.step_cost.count == events.count("step 1") == 2, events
 
 
 def test_local_prefill_threshold_counts_uncached_tokens():

@@ -89,3 +89,29 @@ def test_short_prompt_passes_a_long_one_which_still_progresses():
             sched.finish(s)  # max_tokens=1: done after the first token
         step += 1
     assert step <= 21
+
+
+def test_aging_bound_lets_a_long_prompt_in_past_a_stream_of_short_ones():
+    """Two new 8-token prompts every step fill a 16-token budget: shortest-first alone would keep
+    a 40-token prompt waiting for ever; past max_wait_steps it goes first (once started, the
+    quarter of each step kept for the oldest started prompt carries it on)."""
+
+    def admitted_at(max_wait_steps: int, steps: int = 30) -> int | None:
+        sched = Scheduler(BlockManager(1000, 4, prefix_caching=False), max_num_seqs=64, max_num_batched_tokens=16,
+                          max_wait_steps=max_wait_steps)
+        long = Sequence("long", list(range(40)), SamplingParams())
+        sched.add(long)
+        for step in range(1, steps + 1):
+            for i in range(2):
+                sched.add(Sequence(f"s{step}.{i}", list(range(100, 108)), SamplingParams()))
+            b = sched.schedule()
+            assert b.num_tokens <= 16
+            if any(s is long for s, _ in b.prefill):
+                return step
+            run(sched, b)
+            for s, _ in b.prefill:  # the short ones are done after their prompt: leave the batch
+                sched.finish(s)
+        return None
+
+    assert admitted_at(max_wait_steps=10_000) is None, "shortest-first alone starves it"
+    assert admitted_at(max_wait_steps=5) == 6  # passed over in steps 1-5, first in step 6

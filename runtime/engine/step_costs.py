@@ -1,0 +1,64 @@
+"""Rolling estimates of what work costs here: seconds ≈ base + per_token × tokens. Pure.
+
+The engine feeds every step (tokens in the batch, seconds the forward pass and sampling took);
+the split decode worker feeds every remote prefill (prompt plus the prefill queue ahead of it,
+seconds from the call to the K/V in place). The placement rule (disagg/placement.py) reads the
+fits. Exponentially weighted least squares, so the figures follow a batch that grows or a
+machine that gets busier; a prior that never fades keeps the fit defined before the first
+measurement and while all measurements have one size (a decode batch of one, say). The prior
+is a shape, not figures: 512 tokens cost what ~18 decode steps do, scaled to the steps measured,
+so a machine ten times slower than the reference one extrapolates ten times slower too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# The priors: the bundled model on this project's 2-core reference machine, quiet
+# (docs/benchmarks.md: 18.3 ms a decode step at batch 1, 1,608 prefill tokens/s at 512 tokens).
+PRIOR_BASE_S = 0.018
+PRIOR_PER_TOKEN_S = 0.0006
+PRIOR_SPAN = 512  # the prior is two points, at 1 and at this many tokens
+PRIOR_WEIGHT = 0.05  # against ~HALFLIFE × 1.44 of real observations: it only fills gaps
+HALFLIFE = 32  # observations
+
+
+@dataclass
+class LinearCost:
+    """seconds ≈ base + per_token × tokens, fitted to the recent observations."""
+
+    prior_base: float = PRIOR_BASE_S
+    prior_per_token: float = PRIOR_PER_TOKEN_S
+    halflife: float = HALFLIFE
+    count: int = 0  # observations so far
+    # decayed w, wx, wy, wxx, wxy, and w·y/prior(x) (how much slower than the prior this runs)
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 6)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds < 0:
+            return
+        d = 0.5 ** (1 / self.halflife)
+        x, y = float(tokens), seconds
+        ratio = y / (self.prior_base + self.prior_per_token * x)
+        self._sums = [s * d + v for s, v in zip(self._sums, (1.0, x, y, x * x, x * y, ratio), strict=True)]
+        self.count += 1
+
+    def fit(self, prior: tuple[float, float] | None = None) -> tuple[float, float]:
+        """(base seconds, seconds per token), both at least 0. `prior` (base, per token) stands
+        in for this estimate's own where another one is a better guess (a prefill worker's
+        round trip before it is measured: this worker's step plus a hop)."""
+        w, sx, sy, sxx, sxy, sratio = self._sums
+        half = PRIOR_WEIGHT / 2
+        scale = sratio / w if w > 0 else 1.0
+        pbase, pper_token = prior or (self.prior_base * scale, self.prior_per_token * scale)
+        for x in (1.0, float(PRIOR_SPAN)):
+            y = pbase + pper_token * x
+            w, sx, sy, sxx, sxy = w + half, sx + half * x, sy + half * y, sxx + half * x * x, sxy + half * x * y
+        det = w * sxx - sx * sx
+        per_token = max(0.0, (w * sxy - sx * sy) / det)
+        base = max(0.0, (sy - per_token * sx) / w)
+        return base, per_token
+
+    def predict(self, tokens: int) -> float:
+        base, per_token = self.fit()
+        return base + per_token * tokens
