@@ -3,7 +3,7 @@
 # (hack/images.sh) need: containerd + runc + the CNI plugins, iptables/nftables/conntrack for
 # kube-proxy, socat (the API server relay for pods), buildah + debootstrap to build images without
 # a daemon or a registry, gcc for the static pause binary. Idempotent: nothing to do when every command is already there.
-# Runs only with PHASESPLIT_NODE=1 (opt-in, as the node tests are);
+# Runs only with PHASESPLIT_NODE=1 (./hack/test.sh sets it by default, as it runs the node tests);
 # PHASESPLIT_SKIP_CLUSTER=1 skips it (the node tests then skip, naming
 # this script).
 set -euo pipefail

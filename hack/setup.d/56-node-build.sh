@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Part of hack/setup.sh: builds (once; cached afterwards, keyed by their inputs) what the real-node
-# tests need: kubelet and kube-proxy (hack/kube-tools.sh node) and the images (hack/images.sh:
-# Debian base, pause, runtime, operator). Runs only with PHASESPLIT_NODE=1 (opt-in, as the node tests are);
+# tests need: kubelet, kube-proxy and CoreDNS (hack/kube-tools.sh node) and the images (hack/images.sh:
+# Debian base, pause, runtime, operator). Runs only with PHASESPLIT_NODE=1 (./hack/test.sh sets it by default, as it runs the node tests);
 # PHASESPLIT_SKIP_CLUSTER=1
 # skips it, as it skips those tests.
 set -euo pipefail
