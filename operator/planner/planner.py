@@ -109,6 +109,7 @@ class Planner:
     last_sizes: tuple[float | None, float | None] = (None, None)  # mean prompt/output tokens last seen
     woke_at: float | None = None  # when the phases were last woken from zero
     decode_bound_before: bool = False
+    missed_before: bool = False  # the previous window missed the TTFT target
     pace: str | None = None  # "sudden"/"gradual": how the remembered bursts rose (bursts.Headroom)
 
     def __post_init__(self) -> None:
@@ -339,6 +340,7 @@ class Planner:
         # (those requests got their first token late): already answered, not prefill's miss.
         decode_recovered = self.decode_bound_before and not decode_bound
         self.decode_bound_before = decode_bound
+        missed_before, self.missed_before = self.missed_before, snap.ttft_p is not None and snap.ttft_p > cfg.ttft_s
         if (snap.ttft_p is not None and snap.ttft_p > cfg.ttft_s and cfg.ttft_s - floor > 0.2 * cfg.ttft_s
                 and not (decode_recovered and not prefill_backlog)):
             factor = min((snap.ttft_p - floor) / (cfg.ttft_s - floor), cfg.max_miss_factor)
@@ -370,6 +372,10 @@ class Planner:
                     # ratio (a pool near full utilisation misses its tail by far more than its
                     # capacity is short): one more replica, and the next window says if it was enough.
                     want, how = min(want, serving + 1), "+1 (model calibrated)"
+                    if not missed_before:
+                        # ...and one window's tail (a p95 of a few hundred requests) is noise
+                        # until the next window misses too.
+                        want, how = current["prefill"], "one window's miss, calibrated model: watching"
                 if want > rec_p:
                     rec_p, why_p, urgent["prefill"] = want, f"{miss}: {how}", True
             # Requests waiting on a decode worker whose queue is stranded there (KV not short
