@@ -108,6 +108,7 @@ class Planner:
     idle_since: float | None = None  # start of the current stretch with no work at all (scale to zero)
     last_sizes: tuple[float | None, float | None] = (None, None)  # mean prompt/output tokens last seen
     woke_at: float | None = None  # when the phases were last woken from zero
+    zero_note: str | None = None  # why the phases went to zero, kept as the message while they sleep
     decode_bound_before: bool = False
     missed_before: bool = False  # the previous window missed the TTFT target
     pace: str | None = None  # "sudden"/"gradual": how the remembered bursts rose (bursts.Headroom)
@@ -213,7 +214,11 @@ class Planner:
             return Decision(phases["prefill"], phases["decode"], stale=False,
                             conditions=(("ScaledToZero", False, "Woken", f"woken by {what}"),))
         if asleep and not busy:
-            msg = (f"at zero, idle {now - self.idle_since:.0f}s" if self.idle_since is not None
+            # The message stays what it was when the phases went to zero: a status that changed every
+            # interval ("idle 75s", "idle 90s", ...) would cost one status write per interval for
+            # every sleeping service; how long it has slept is the condition's lastTransitionTime.
+            msg = (self.zero_note if fresh and self.zero_note
+                   else "at zero" if fresh
                    else "at zero, no fresh metrics (the router reports arrivals and held requests)")
             phases = {p: PhaseDecision(current[p], current[p], current[p] if p in asleep else max(current[p], 1), msg)
                       for p in PHASES}
@@ -227,6 +232,7 @@ class Planner:
         idle = now - self.idle_since if self.idle_since is not None else 0.0
         if self.idle_since is not None and idle >= cfg.idle_after_s:
             msg = f"scaled to zero after {idle:.0f}s idle (idleAfter {cfg.idle_after_s:.0f}s)"
+            self.zero_note = msg
             for p in zero:
                 self.limiters[p].record(now, current[p], 0)
             d = replace(d, **{p: PhaseDecision(current[p], 0, 0, msg) for p in zero},

@@ -636,6 +636,26 @@ def _idle(t: float, **kw) -> MetricsSnapshot:
     return snap(t, **base)
 
 
+def test_a_sleeping_service_computes_the_same_status_every_interval():
+    # One status write per interval for every service at zero would be pure churn: while nothing
+    # arrives, two steps of a sleeping service compute an identical status.autoscaling.
+    from phasesplit.operator.metrics.autoscale import status_patch
+
+    planner = _zero_planner()
+    current, status = {"prefill": 1, "decode": 1}, None
+    patches = []
+    for t in range(15, 600, 15):
+        d = planner.plan(_idle(t), current, t)
+        current = d.desired
+        status = status_patch(d, _idle(t), t, 1, status)
+        if current == {"prefill": 0, "decode": 0}:
+            patches.append((d.changed, status))
+    assert len(patches) > 3 and patches[0][0], "went to zero, and stayed there"
+    asleep = [p for changed, p in patches[1:]]
+    assert all(p == asleep[0] for p in asleep), asleep[:2]
+    assert "scaled to zero after 120s idle" in asleep[0]["conditions"][0]["message"]
+
+
 def test_idle_phases_go_to_zero_after_idle_after_and_not_before():
     planner = _zero_planner()
     current = {"prefill": 2, "decode": 2}
