@@ -26,6 +26,8 @@ class Burst:
     base: float  # smoothed rate before the rise
     peak: float
     end: float | None = None  # when the rate fell back to the base (None: still on)
+    rise_s: float | None = None  # from its start to 90 % of its peak (known once it ended)
+    trace: list[tuple[float, float]] = field(default_factory=list)  # (time, smoothed rate) while on
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,13 @@ class Headroom:
     rising: bool  # a burst is under way now (the newest rate is its peak so far)
     until: float | None  # when the memory lets go if no burst comes (None: nothing held)
     note: str = ""
+    # A remembered burst rose to its peak faster than one reaction time: the next one will be at
+    # its peak before replicas ordered at its start are up, so the capacity held must meet the
+    # peak's latency target, not only carry its throughput.
+    sudden: bool = False
+    # Every burst that ended took longer than a reaction time to rise (and one did end): the
+    # next can be met by scaling up as it rises.
+    gradual: bool = False
 
 
 @dataclass
@@ -67,14 +76,18 @@ class BurstMemory:
         cur = self.bursts[-1] if self.bursts and self.bursts[-1].end is None else None
         if cur is not None:
             cur.peak = max(cur.peak, smooth)
+            cur.trace.append((now, smooth))
             # Over when the rate is back within noise of where the burst started.
             if smooth <= cur.base + self.noise(cur.base):
                 cur.end = now
+                top = cur.base + 0.9 * (cur.peak - cur.base)
+                cur.rise_s = next(t for t, r in cur.trace if r >= top) - cur.start
+                cur.trace = []
             return
         # A new burst: a rise beyond noise within one reaction time from its low.
         low_t, low = min(self.rates, key=lambda x: (x[1], -x[0]))
         if low_t < now and low > 0 and smooth - self.noise(low) > low * (1 + self.min_jump):
-            self.bursts.append(Burst(start=low_t, base=low, peak=smooth))
+            self.bursts.append(Burst(start=low_t, base=low, peak=smooth, trace=[(now, smooth)]))
 
     def hold_s(self) -> float:
         """How long after the last burst ended its headroom is kept."""
@@ -104,4 +117,6 @@ class BurstMemory:
         n = len(self.bursts)
         note = (f"{n} burst{'s' * (n != 1)} remembered, peak {peak:.1f} req/s"
                 + (f", held until {until - now:.0f}s from now" if until is not None else ", one under way"))
-        return Headroom(target, factor, rising, until, note)
+        rises = [b.rise_s for b in self.bursts if b.rise_s is not None]
+        sudden = any(r < self.reaction_s for r in rises)
+        return Headroom(target, factor, rising, until, note, sudden, bool(rises) and not sudden)

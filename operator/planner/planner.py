@@ -10,7 +10,11 @@ from phasesplit.operator.planner.behavior import HPA_BEHAVIOR, PhaseLimiter, app
 from phasesplit.operator.planner.bursts import BurstMemory
 from phasesplit.operator.planner.model import DecodeProfile, PerfModel, PrefillProfile
 from phasesplit.operator.planner.queueing import replicas_for_ttft, service_quantile
+from phasesplit.operator.planner.sizes import RequestSizes
 from phasesplit.operator.planner.snapshot import MetricsSnapshot
+
+# Healthy windows after which the prefill model's capacity is trusted over a miss's ratio.
+CALIBRATED_WINDOWS = 8
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,10 @@ class Planner:
     idle_since: float | None = None  # start of the current stretch with no work at all (scale to zero)
     last_sizes: tuple[float | None, float | None] = (None, None)  # mean prompt/output tokens last seen
     woke_at: float | None = None  # when the phases were last woken from zero
+    zero_note: str | None = None  # why the phases went to zero, kept as the message while they sleep
     decode_bound_before: bool = False
+    missed_before: bool = False  # the previous window missed the TTFT target
+    pace: str | None = None  # "sudden"/"gradual": how the remembered bursts rose (bursts.Headroom)
 
     def __post_init__(self) -> None:
         self.limiters = {p: PhaseLimiter(self.config.behavior) for p in PHASES}
@@ -112,6 +119,16 @@ class Planner:
         self.bursts = BurstMemory(cfg.interval_s, cfg.startup_s + cfg.interval_s, memory_s=cfg.surge_memory_s,
                                   decay=cfg.burst_decay, first_hold_s=cfg.burst_first_hold_s,
                                   max_factor=cfg.max_surge)
+        self.sizes = RequestSizes()
+
+    def _typical(self, snap: MetricsSnapshot, rate: float) -> MetricsSnapshot:
+        """The snapshot at `rate` with the recent mean request sizes instead of this window's:
+        what capacity held for a remembered burst is sized from (one window's mean is noise)."""
+        isl, osl = self.sizes.prompt() or snap.mean_prompt_tokens, self.sizes.output() or snap.mean_generated_tokens
+        if not isl or osl is None:
+            return _scaled(snap, rate)
+        return replace(snap, request_rate=rate, prompt_tokens_mean=isl, generated_tokens_mean=osl,
+                       prompt_token_rate=rate * isl, generation_token_rate=rate * osl)
 
     def use_startup(self, seconds: float) -> None:
         """Take a measured replica start-up (pod creation to Ready, the operator's rolling median)
@@ -148,6 +165,7 @@ class Planner:
                 rising = True
                 pace = (newest - low) / (t_new - t_low)
                 ceiling = max(ceiling, min(newest + pace * mem.reaction_s, low * cfg.max_surge))
+        self.pace = "sudden" if h.sudden else "gradual" if h.gradual else None
         return max(rate, min(rate * h.factor, ceiling)), h.factor, rising, h.note
 
     def plan(self, snap: MetricsSnapshot | None, current: dict[str, int], now: float) -> Decision:
@@ -196,7 +214,11 @@ class Planner:
             return Decision(phases["prefill"], phases["decode"], stale=False,
                             conditions=(("ScaledToZero", False, "Woken", f"woken by {what}"),))
         if asleep and not busy:
-            msg = (f"at zero, idle {now - self.idle_since:.0f}s" if self.idle_since is not None
+            # The message stays what it was when the phases went to zero: a status that changed every
+            # interval ("idle 75s", "idle 90s", ...) would cost one status write per interval for
+            # every sleeping service; how long it has slept is the condition's lastTransitionTime.
+            msg = (self.zero_note if fresh and self.zero_note
+                   else "at zero" if fresh
                    else "at zero, no fresh metrics (the router reports arrivals and held requests)")
             phases = {p: PhaseDecision(current[p], current[p], current[p] if p in asleep else max(current[p], 1), msg)
                       for p in PHASES}
@@ -210,6 +232,7 @@ class Planner:
         idle = now - self.idle_since if self.idle_since is not None else 0.0
         if self.idle_since is not None and idle >= cfg.idle_after_s:
             msg = f"scaled to zero after {idle:.0f}s idle (idleAfter {cfg.idle_after_s:.0f}s)"
+            self.zero_note = msg
             for p in zero:
                 self.limiters[p].record(now, current[p], 0)
             d = replace(d, **{p: PhaseDecision(current[p], 0, 0, msg) for p in zero},
@@ -249,6 +272,7 @@ class Planner:
         healthy = (snap.ttft_p is None or snap.ttft_p <= cfg.ttft_s) and not any(self._bottlenecks(snap))
         calibration = self.model.calibrate(snap, cfg.prompt_scv, cfg.kv_high, cfg.percentile) if healthy else []
 
+        self.sizes.observe(snap.request_rate * snap.window_s, snap.mean_prompt_tokens, snap.mean_generated_tokens)
         short = (snap.ttft_p is not None and snap.ttft_p > cfg.ttft_s) or any(self._bottlenecks(snap))
         plan_rate, surge, rising, memory_note = self.surge(now, snap.request_rate, short)
         # Burst headroom is throughput, not latency: a burst that arrives finds capacity that
@@ -266,12 +290,19 @@ class Planner:
             rec_p = max(rec_p, min(current["prefill"], self._size_prefill(_scaled(snap, max(prefill_rate, tolerant)))[0]))
         if rec_d < current["decode"]:
             rec_d = max(rec_d, min(current["decode"], self._size_decode(_scaled(snap, max(plan_rate, tolerant)))[0]))
+        if surge > 1 and not rising:
+            peak = self._typical(snap, plan_rate)
+            carry, how = self._prefill_throughput(peak), "carried at the burst peak"
+            if self.pace == "sudden":
+                # Bursts rise faster than replicas start: the peak must find its TTFT met.
+                carry, how = max(carry, self._size_prefill(peak)[0]), "at the burst peak, which rises within a start-up"
+            # A burst that rises slower than replicas start is met by scaling up as it rises; through
+            # it and the lulls, carrying the remembered peak's throughput is enough (the latency
+            # model, FCFS, overstates the tail near full utilisation; queues and misses still act).
+            if carry > rec_p or self.pace == "gradual":
+                rec_p, why_p = carry, f"{plan_rate * (self.sizes.prompt() or 0):.0f} prompt tok/s {how}"
         if plan_rate > snap.request_rate:
             note = f" (surge headroom ×{surge:.2f}: sized for {plan_rate:.1f} req/s; {memory_note})"
-            if not rising:
-                carry = self._prefill_throughput(_scaled(snap, plan_rate))
-                if carry > rec_p:
-                    rec_p, why_p = carry, f"{plan_rate * (snap.mean_prompt_tokens or 0):.0f} prompt tok/s at the burst peak"
             why_p += note
             why_d += note
         urgent = {"prefill": False, "decode": False}
@@ -310,19 +341,23 @@ class Planner:
         # explains (the window's longest prompts) buys nothing.
         floor = self._prefill_floor(snap)
         carried = (plan_rate > snap.request_rate and not rising and snap.ready_prefill is not None
-                   and snap.ready_prefill >= self._prefill_throughput(_scaled(snap, plan_rate)))
+                   and snap.ready_prefill >= self._prefill_throughput(self._typical(snap, plan_rate)))
         # KV exhaustion that ended in the previous window still shows in this window's TTFT
         # (those requests got their first token late): already answered, not prefill's miss.
         decode_recovered = self.decode_bound_before and not decode_bound
         self.decode_bound_before = decode_bound
+        missed_before, self.missed_before = self.missed_before, snap.ttft_p is not None and snap.ttft_p > cfg.ttft_s
         if (snap.ttft_p is not None and snap.ttft_p > cfg.ttft_s and cfg.ttft_s - floor > 0.2 * cfg.ttft_s
                 and not (decode_recovered and not prefill_backlog)):
             factor = min((snap.ttft_p - floor) / (cfg.ttft_s - floor), cfg.max_miss_factor)
             miss = f"TTFT p{cfg.percentile * 100:g} {snap.ttft_p * 1000:.0f}ms > {cfg.ttft_s * 1000:.0f}ms"
             if decode_bound:
-                want = math.ceil((snap.ready_decode or current["decode"]) * factor)
-                if want > rec_d:
-                    rec_d, why_d, urgent["decode"] = want, f"{miss} with KV full: ×{factor:.2f}", True
+                # The sizing already drains the requests waiting for KV (they are its backlog); the
+                # miss adds at least one replica, not the miss's ratio: KV per replica is known
+                # exactly, and a window's TTFT is the past (requests that already waited).
+                want = max(rec_d, (snap.ready_decode or current["decode"]) + 1)
+                if want > current["decode"]:
+                    rec_d, why_d, urgent["decode"] = want, f"{miss} with KV full: {why_d}", True
             if prefill_backlog:
                 # The queue is there to see: size for draining it, not for the size of the miss. The
                 # TTFT of a window is the past (requests that already waited); what more replicas
@@ -335,9 +370,20 @@ class Planner:
                 # calibrated). Trust the observation, in proportion to it. Not while a remembered
                 # burst's peak is already carried by the replicas serving: that miss is the burst's
                 # brief queue at its rise, which the held capacity drains by itself.
-                want = math.ceil((snap.ready_prefill or current["prefill"]) * factor)
+                serving = snap.ready_prefill or current["prefill"]
+                want = math.ceil(serving * factor)
+                how = f"×{factor:.2f}"
+                if self.model.prefill_samples >= CALIBRATED_WINDOWS:
+                    # A calibrated model that still misses is off by a little, not by the miss's
+                    # ratio (a pool near full utilisation misses its tail by far more than its
+                    # capacity is short): one more replica, and the next window says if it was enough.
+                    want, how = min(want, serving + 1), "+1 (model calibrated)"
+                    if not missed_before:
+                        # ...and one window's tail (a p95 of a few hundred requests) is noise
+                        # until the next window misses too.
+                        want, how = current["prefill"], "one window's miss, calibrated model: watching"
                 if want > rec_p:
-                    rec_p, why_p, urgent["prefill"] = want, f"{miss}: ×{factor:.2f}", True
+                    rec_p, why_p, urgent["prefill"] = want, f"{miss}: {how}", True
             # Requests waiting on a decode worker whose queue is stranded there (KV not short
             # overall) explain the miss too; no replica added now would serve them sooner.
         if snap.itl_p is not None and snap.itl_p > cfg.itl_s:
@@ -501,6 +547,9 @@ class Planner:
             kv_per_req = max(kv_per_req, min(per_running, 3 * (isl + osl)))
         # What the runtime reports in use now (including blocks reserved for prompts still in
         # prefill, fragmentation, prefix blocks) is a floor: never size below it plus headroom.
+        # Not while prefill is backlogged: then the cache holds the reservations of prompts still
+        # queued for prefill (bound to a decode worker on arrival), which leave as the queue drains;
+        # decode replicas bought for them arrive after the queue is gone.
         in_use = 0.0
         if snap.kv_usage is not None and snap.ready_decode:
             in_use = snap.kv_usage * model.decode.kv_capacity_tokens * snap.ready_decode
