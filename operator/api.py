@@ -367,6 +367,11 @@ class DecodeSpec(PhaseSpec):
     local_prefill_threshold: int = Field(
         0, description="Prompts with at most this many uncached tokens are prefilled on the decode worker "
                        "itself (0: always remote).", ge=0, le=1048576)
+    prefill_placement: Literal["Static", "Adaptive"] = Field(
+        "Static", description="Where a prompt is prefilled. Static: on a prefill worker unless within "
+                              "localPrefillThreshold. Adaptive: on the decode worker where its measured step costs "
+                              "say the first token comes sooner and no decode step would outgrow slo.itl, else on a "
+                              "prefill worker (localPrefillThreshold still forces short prompts local).")
 
 
 class SecretKeyRef(ApiModel):

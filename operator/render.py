@@ -189,6 +189,9 @@ def container_args(owner: Owner, spec: api.InferenceServiceSpec, component: str)
                  f"--on-prefill-failure={_FAILURE_POLICY[kv.failure_policy]}",
                  f"--prefill-timeout={_seconds(kv.timeout)}",
                  f"--local-prefill-threshold={spec.decode.local_prefill_threshold}"]
+        if spec.decode.prefill_placement == "Adaptive":
+            # The decode pool's own ITL target bounds what a local prefill may add to a step.
+            args += ["--prefill-placement=adaptive", f"--itl-target={_seconds(spec.slo.itl)}"]
     args.append(f"--drain-timeout={_seconds(spec.drain_timeout)}")
     if component == "router":
         args += ["--discovery=kubernetes", f"--namespace={owner.namespace}",
@@ -206,7 +209,9 @@ def _hold_args(spec: api.InferenceServiceSpec) -> list[str]:
     if zero is None or spec.autoscaling.mode != "Planner":
         return []
     out = [f"--hold-timeout={_seconds(zero.hold_timeout)}", f"--max-held={zero.max_held}"]
-    if spec.prefill.bounds()[0] == 0 and spec.decode.local_prefill_threshold == 0:
+    # Adaptive placement prefills locally when no prefill worker is ready, so decode alone serves.
+    static_only_remote = spec.decode.local_prefill_threshold == 0 and spec.decode.prefill_placement == "Static"
+    if spec.prefill.bounds()[0] == 0 and static_only_remote:
         out.append("--hold-for-prefill")
     return out
 

@@ -40,8 +40,9 @@ def planner_config(spec: api.InferenceServiceSpec) -> PlannerConfig:
         # Scale to zero: the router holds the requests that find no worker (its held count, in
         # the snapshot, wakes the phases); without scaleToZero minReplicas 0 means 1.
         idle_after_s=parse_duration(a.scale_to_zero.idle_after) if a.scale_to_zero else None,
-        # Decode may prefill short prompts itself: a held request then needs decode alone.
-        local_prefill=spec.decode.local_prefill_threshold > 0,
+        # Decode may prefill prompts itself (short ones, or any under adaptive placement when no
+        # prefill worker is ready): a held request then needs decode alone.
+        local_prefill=spec.decode.local_prefill_threshold > 0 or spec.decode.prefill_placement == "Adaptive",
     )
 
 

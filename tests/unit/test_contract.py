@@ -89,6 +89,19 @@ def test_failure_policies_map_onto_the_runtime_choices():
         assert args.on_prefill_failure == flag
 
 
+def test_prefill_placement_reaches_the_decode_flags():
+    base = EXTRA_SPECS["issue-minimal"]
+    static = build_parser().parse_args(render.container_args(
+        OWNER, api.InferenceServiceSpec.model_validate(base), "decode"))
+    assert static.prefill_placement == "static"
+    spec = api.InferenceServiceSpec.model_validate(
+        {**base, "decode": {"prefillPlacement": "Adaptive"}, "slo": {"itl": "80ms"}})
+    args = build_parser().parse_args(render.container_args(OWNER, spec, "decode"))
+    assert args.prefill_placement == "adaptive" and args.itl_target == pytest.approx(0.08)
+    # Not a K/V layout change: no new revision, no paired rollout of prefill.
+    assert render.revision(spec) == render.revision(api.InferenceServiceSpec.model_validate(base))
+
+
 def test_volume_sources_reach_the_model_flag():
     spec = SPECS["pvc-everything"]
     assert render.model_arg(spec) == "/models/llama/model.gguf"

@@ -68,6 +68,7 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
     ("tensor-parallel-gpus-differ", {"decode": {"tensorParallelSize": 2, "resources": {"limits": {"nvidia.com/gpu": 1}}}},
      "spec.decode.resources.limits"),
     ("min-zero-without-scale-to-zero", {"decode": {"minReplicas": 0}}, "spec.decode.minReplicas"),
+    ("prefill-placement-unknown", {"decode": {"prefillPlacement": "Sometimes"}}, "spec.decode.prefillPlacement"),
     ("idle-after-not-a-duration", {"prefill": {"minReplicas": 0}, "autoscaling": {"scaleToZero": {"idleAfter": "soon"}}},
      "spec.autoscaling.scaleToZero.idleAfter"),
 ]
@@ -84,6 +85,13 @@ def test_min_zero_is_legal_with_scale_to_zero_and_in_hpa_mode():
     cfg = planner_config(spec)
     # On in the operator: the router holds requests that find no worker and the planner wakes on them.
     assert (cfg.idle_after_s, cfg.prefill.min_replicas, cfg.local_prefill) == (300.0, 0, False)
+    # Adaptive placement prefills locally where no prefill worker is ready: a held request needs
+    # decode alone, and the router does not wait for prefill.
+    adaptive = api.InferenceServiceSpec.model_validate(merged(spec.wire(), {"decode": {"prefillPlacement": "Adaptive"}}))
+    assert planner_config(adaptive).local_prefill
+    from phasesplit.operator import render
+
+    assert "--hold-for-prefill" in render._hold_args(spec) and "--hold-for-prefill" not in render._hold_args(adaptive)
     # Without scaleToZero (legal with min 0 only outside Planner mode) nothing goes to zero.
     assert planner_config(api.InferenceServiceSpec.model_validate(MINIMAL)).idle_after_s is None
     # HPA mode renders minReplicas 0 as 1 (no HPAScaleToZero gate): legal, documented, not zero,
