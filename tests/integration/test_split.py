@@ -382,6 +382,9 @@ def test_remote_first_token_goes_out_before_the_next_step():
 
     engine = LLMEngine("smollm2", EngineConfig(runner=RunnerConfig(dtype="float32", kv_cache_memory=16 << 20)),
                        observer=Steps())  # the default connector reserves and waits: a remote prefill
+    # No prefill worker sends K/V here: the reserved blocks would hold whatever memory the cache
+    # was allocated over (NaN after a long test session: the sampler then fails). Zeros decode finitely.
+    engine.runner.kv_cache.zero_()
     aengine = AsyncEngine(engine)
     deliver = aengine._deliver
 
@@ -393,7 +396,7 @@ def test_remote_first_token_goes_out_before_the_next_step():
 
     async def run() -> list[int]:
         tokens = []
-        outputs = aengine.generate("r", list(range(1, 40)), SamplingParams(max_tokens=3, ignore_eos=True),
+        outputs = aengine.generate("r", list(range(1, 40)), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
                                    remote=True)
         first = asyncio.ensure_future(anext(outputs))
         while not engine.seqs.get("r") or not engine.seqs["r"].block_table:
