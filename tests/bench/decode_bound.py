@@ -1,0 +1,146 @@
+"""Single-request decode against the memory-bandwidth bound (issue 17, point 3).
+
+Each figure runs in its own subprocess (its own OpenMP runtime and thread settings), all on the
+engine's defaults (`LLMEngine('smollm2')`: dtype auto, the runtime's thread count and wait policy):
+
+  bound      the model's weight bytes that one decode step reads (every parameter: the tied head
+             reads the embedding table, the embedding lookup one row) / the time of one read of a
+             buffer that size (`torch.sum` over it, best of 7) on the engine's threads: tokens/s
+             a step could reach if it did nothing but stream its weights once;
+  decode     tokens/s of one greedy request, as engine_peers.py measures it: 128 / (time(256-token
+             prompt + 129 tokens) - time(prompt + 1 token)), best of --repeats after a warm-up;
+  neighbour  the same while another process spins on one of the CPUs the engine may use
+             (`while True: pass`, pinned), so that "decode under a busy neighbour" is measured
+             against the idle figure of the same run.
+
+Each configuration runs with the runtime's default sleeping OpenMP waits, with them but every
+step on all threads (the runner otherwise runs decode steps of a few sequences on one thread:
+model_runner.py SMALL_DECODE_BATCH, a rule measured where a step took ~20 ms), and with a short
+spin (GOMP_SPINCOUNT=10000), so the table shows what each buys on idle cores and costs beside a
+busy neighbour. Ratios are taken between figures of the same run; the 1-minute load average is
+kept beside each.
+
+Usage: ~/.cache/phasesplit/venv/bin/python tests/bench/decode_bound.py [--repeats N] [--dtype D]
+       [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tests.bench.engine_peers import DECODE_TOKENS, build_prompts, load1  # noqa: E402
+
+# name -> (environment, whether small decode steps keep the runner's one-thread rule)
+WAITS = {"passive (default)": ({}, True),
+         "passive, both threads at batch 1": ({}, False),
+         "spin (GOMP_SPINCOUNT=10000)": ({"GOMP_SPINCOUNT": "10000"}, True)}
+
+
+def worker(kind: str, dtype: str, repeats: int, out: Path, small_rule: bool) -> None:
+    import torch
+
+    from phasesplit.runtime.engine.engine import EngineConfig, LLMEngine
+    from phasesplit.runtime.engine.model_runner import RunnerConfig
+    from phasesplit.runtime.request import SamplingParams
+
+    eng = LLMEngine("smollm2", EngineConfig(runner=RunnerConfig(dtype=dtype, kv_cache_memory=1 << 30)))
+    model = eng.runner.model
+    if not small_rule:  # every step on all threads (model_runner.py's SMALL_DECODE_BATCH rule off)
+        eng.runner.small_step_threads = None
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    res: dict = {"kind": kind, "threads": eng.runner.threads, "dtype": str(next(model.parameters()).dtype),
+                 "weight_bytes": weight_bytes, "load1_before": load1()}
+    if kind == "bound":
+        buf = torch.ones(weight_bytes // 4, dtype=torch.float32)
+        times = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            buf.sum()
+            times.append(time.perf_counter() - t0)
+        res["read_s"] = min(times)
+        res["gb_s"] = weight_bytes / min(times) / 1e9
+        res["tok_s"] = 1.0 / min(times)
+    else:
+        prompts = build_prompts(repeats, seed=17)
+        params = SamplingParams(max_tokens=DECODE_TOKENS + 1, temperature=0, ignore_eos=True)
+        eng.generate(prompts["warmup"]["decode"][:1], params)
+        vals = []
+        for pair in prompts["decode"]:
+            t0 = time.perf_counter()
+            eng.generate([pair[0]], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+            t1 = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            n = sum(len(o) for o in eng.generate([pair[1]], params))
+            t2 = time.perf_counter() - t0
+            assert n == DECODE_TOKENS + 1, n
+            vals.append(DECODE_TOKENS / (t2 - t1))
+        res["runs"] = [round(v, 2) for v in vals]
+        res["tok_s"] = max(vals)
+    res["load1_after"] = load1()
+    out.write_text(json.dumps(res))
+
+
+def run(kind: str, env_extra: dict, small_rule: bool, dtype: str, repeats: int, neighbour: bool, tmp: Path) -> dict:
+    out = tmp / f"{kind}-{len(env_extra)}-{int(small_rule)}-{int(neighbour)}.json"
+    env = {**os.environ, **env_extra}
+    spinner = None
+    if neighbour:
+        cpus = sorted(os.sched_getaffinity(0))
+        spinner = subprocess.Popen(["taskset", "-c", str(cpus[-1]), sys.executable, "-c", "while True: pass"])
+    try:
+        subprocess.run([sys.executable, __file__, "--worker", kind, "--dtype", dtype, "--repeats", str(repeats),
+                        "--out", str(out)] + ([] if small_rule else ["--no-small-rule"]), env=env, check=True,
+                       timeout=1800)
+    finally:
+        if spinner:
+            spinner.kill()
+            spinner.wait()
+    return json.loads(out.read_text())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="auto", help="the engine's dtype (auto: bf16 with AVX512-BF16, else fp32)")
+    ap.add_argument("--json", type=Path, default=Path("/tmp/phasesplit-decode-bound.json"))
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--no-small-rule", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        worker(a.worker, a.dtype, a.repeats, a.out, not a.no_small_rule)
+        return 0
+    tmp = a.json.parent / (a.json.stem + ".d")
+    tmp.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for wait, (extra, small_rule) in WAITS.items():
+        bound = run("bound", extra, True, a.dtype, a.repeats, False, tmp)
+        idle = run("decode", extra, small_rule, a.dtype, a.repeats, False, tmp)
+        busy = run("decode", extra, small_rule, a.dtype, a.repeats, True, tmp)
+        rows.append({"wait": wait, "bound": bound, "idle": idle, "busy": busy})
+        print(f"{wait}: {bound['threads']} threads, {bound['dtype']}, {bound['weight_bytes'] / 1e6:.0f} MB of weights; "
+              f"read {bound['gb_s']:.1f} GB/s -> bound {bound['tok_s']:.1f} tok/s (load {bound['load1_before']})", flush=True)
+        print(f"  decode idle {idle['tok_s']:.1f} tok/s {idle['runs']} = {idle['tok_s'] / bound['tok_s']:.2f} x bound "
+              f"(load {idle['load1_before']}-{idle['load1_after']})", flush=True)
+        print(f"  decode beside a spinning neighbour {busy['tok_s']:.1f} tok/s {busy['runs']} = "
+              f"{busy['tok_s'] / idle['tok_s']:.2f} x idle (load {busy['load1_before']}-{busy['load1_after']})", flush=True)
+    passive_idle = rows[0]["idle"]["tok_s"]
+    for r in rows[1:]:
+        print(f"{r['wait']}: idle {r['idle']['tok_s'] / passive_idle:.2f} x passive idle, beside a neighbour "
+              f"{r['busy']['tok_s'] / passive_idle:.2f} x passive idle")
+    a.json.write_text(json.dumps({"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}, indent=1))
+    print(f"raw: {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
