@@ -381,8 +381,7 @@ class LLMEngine:
             if token is None or seq.status is Status.FINISHED:  # its request failed alone (self.fail)
                 continue
             outputs.append(self._append_token(seq, token, now, lp))
-        outputs.extend(self.outputs_pending)  # the failures
-        self.outputs_pending = []
+        outputs.extend(self.take_outputs())  # the failures
         seconds = time.perf_counter() - t0
         self.step_cost.observe(batch.num_tokens, seconds)
         self.observer.on_step(batch, seconds)

@@ -129,6 +129,10 @@ class AsyncEngine:
                 self.engine.fail(rid, f"generation failed: {exc}")
             except Exception:  # noqa: BLE001
                 log.exception("cannot fail request %s", rid)
+        self._send_pending()
+
+    def _send_pending(self) -> None:
+        """Send what the engine made outside a step (failures, a remote prefill's first token)."""
         for out in self.engine.take_outputs():
             self._deliver(out.request_id, out)
 
@@ -151,8 +155,7 @@ class AsyncEngine:
                         kind = None
                 # A remote prefill's first token (a call above) goes out now, not after the step
                 # that computes the second: on the split TTFT path, that step was one ITL.
-                for out in e.take_outputs():
-                    self._deliver(out.request_id, out)
+                self._send_pending()
                 if e.has_work():
                     for out in e.step():
                         self._deliver(out.request_id, out)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from phasesplit.runtime import metric_names as n
-from phasesplit.runtime.disagg.placement import OUTCOMES
+from phasesplit.runtime.disagg.placement import LOCAL, OUTCOMES
 from phasesplit.runtime.metric_names import (
     E2E_BUCKETS,
     HELD_BUCKETS,
@@ -79,7 +79,7 @@ class Metrics:
     def place(self, where: str, reason: str) -> None:
         """Count one placement decision; every local one is a local prefill too."""
         self.placement.labels(**self.labels, where=where, reason=reason).inc()
-        if where == "local":
+        if where == LOCAL:
             self.child(self.local_prefill).inc()
 
     def bind(self, running: Callable[[], float], waiting: Callable[[], float], kv_usage: Callable[[], float],
