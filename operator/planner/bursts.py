@@ -27,7 +27,22 @@ class Burst:
     peak: float
     end: float | None = None  # when the rate fell back to the base (None: still on)
     rise_s: float | None = None  # from its start to 90 % of its peak (known once it ended)
+    # The rate it held at its top (known once it ended): the median of its smoothed rates within
+    # the top fifth of its rise. `peak`, the highest single reading, sits above that level by the
+    # noise of a few dozen Poisson counts, and the highest of several bursts' peaks more so:
+    # capacity held for the next burst is sized from the level the bursts reached.
+    level: float | None = None
     trace: list[tuple[float, float]] = field(default_factory=list)  # (time, smoothed rate) while on
+
+
+def plateau(base: float, peak: float, rates: list[float]) -> float:
+    """The median of the rates within the top fifth of a rise from `base` to `peak`: the level
+    held, which neither the ramp's last readings nor the highest scatter move much."""
+    top = sorted(r for r in rates if r >= base + 0.8 * (peak - base))
+    if not top:
+        return peak
+    mid = len(top) // 2
+    return top[mid] if len(top) % 2 else (top[mid - 1] + top[mid]) / 2
 
 
 @dataclass(frozen=True)
@@ -82,12 +97,17 @@ class BurstMemory:
                 cur.end = now
                 top = cur.base + 0.9 * (cur.peak - cur.base)
                 cur.rise_s = next(t for t, r in cur.trace if r >= top) - cur.start
+                cur.level = plateau(cur.base, cur.peak, [r for _, r in cur.trace])
                 cur.trace = []
             return
         # A new burst: a rise beyond noise within one reaction time from its low.
         low_t, low = min(self.rates, key=lambda x: (x[1], -x[0]))
         if low_t < now and low > 0 and smooth - self.noise(low) > low * (1 + self.min_jump):
             self.bursts.append(Burst(start=low_t, base=low, peak=smooth, trace=[(now, smooth)]))
+
+    def level(self) -> float | None:
+        """The highest level the ended bursts in memory held (None: none has ended)."""
+        return max((b.level for b in self.bursts if b.level is not None), default=None)
 
     def hold_s(self) -> float:
         """How long after the last burst ended its headroom is kept."""
@@ -112,7 +132,8 @@ class BurstMemory:
             return Headroom(rate, 1.0, False, None, "burst memory released")
         # The jump beyond noise, as the surge it proved possible (a steady load's noise earns ~none).
         factor = min(max((b.peak - self.noise(b.base)) / b.base for b in self.bursts), self.max_factor)
-        peak = max(b.peak for b in self.bursts)
+        # Ended bursts by the level they held (see Burst.level); one still on by its peak so far.
+        peak = max(b.peak if b.level is None else b.level for b in self.bursts)
         target = max(rate, min(rate * factor, peak))
         n = len(self.bursts)
         note = (f"{n} burst{'s' * (n != 1)} remembered, peak {peak:.1f} req/s"

@@ -12,6 +12,7 @@ from phasesplit.operator.planner.model import DecodeProfile, PerfModel, PrefillP
 from phasesplit.operator.planner.queueing import replicas_for_ttft, service_quantile
 from phasesplit.operator.planner.sizes import RequestSizes
 from phasesplit.operator.planner.snapshot import MetricsSnapshot
+from phasesplit.operator.planner.trend import RateTrend
 
 # Healthy windows after which the prefill model's capacity is trusted over a miss's ratio.
 CALIBRATED_WINDOWS = 8
@@ -110,6 +111,7 @@ class Planner:
     woke_at: float | None = None  # when the phases were last woken from zero
     zero_note: str | None = None  # why the phases went to zero, kept as the message while they sleep
     decode_bound_before: bool = False
+    prefill_backlog_before: bool = False  # the previous window ended with a prefill backlog
     missed_before: bool = False  # the previous window missed the TTFT target
     pace: str | None = None  # "sudden"/"gradual": how the remembered bursts rose (bursts.Headroom)
 
@@ -120,6 +122,7 @@ class Planner:
                                   decay=cfg.burst_decay, first_hold_s=cfg.burst_first_hold_s,
                                   max_factor=cfg.max_surge)
         self.sizes = RequestSizes()
+        self.trend = RateTrend()
 
     def _typical(self, snap: MetricsSnapshot, rate: float) -> MetricsSnapshot:
         """The snapshot at `rate` with the recent mean request sizes instead of this window's:
@@ -275,13 +278,30 @@ class Planner:
         self.sizes.observe(snap.request_rate * snap.window_s, snap.mean_prompt_tokens, snap.mean_generated_tokens)
         short = (snap.ttft_p is not None and snap.ttft_p > cfg.ttft_s) or any(self._bottlenecks(snap))
         plan_rate, surge, rising, memory_note = self.surge(now, snap.request_rate, short)
+        # A steady rise (not a burst: the memory has none open) is sized where it will be when
+        # replicas ordered now are up.
+        self.trend.observe(now, snap.request_rate)
+        ahead = self.trend.ahead(now, self.bursts.reaction_s)
+        trend_note = ""
+        if ahead is not None and ahead > plan_rate and not (self.bursts.bursts and self.bursts.bursts[-1].end is None):
+            trend_note = (f" (rising {self.trend.slope() * 60:.1f} req/s per min: sized for {ahead:.1f} req/s "
+                          f"{self.bursts.reaction_s:.0f}s ahead)")
+            plan_rate = ahead
         # Burst headroom is throughput, not latency: a burst that arrives finds capacity that
         # carries its peak (prefill at ≤ max_utilisation) while more replicas start, and queues
         # briefly; sizing the lulls for the peak's TTFT quantile would pay for the burst's
         # latency through every lull. A burst under way (rising) is sized in full.
-        prefill_rate = plan_rate if rising else snap.request_rate
+        prefill_rate = plan_rate if rising or trend_note else snap.request_rate
         rec_p, why_p, ttft_pred, ttft_ok = self._size_prefill(_scaled(snap, prefill_rate))
-        rec_d, why_d, itl_pred = self._size_decode(_scaled(snap, plan_rate))
+        decode_snap = _scaled(snap, plan_rate)
+        if trend_note and snap.request_rate:
+            decode_snap = self._typical(decode_snap, plan_rate)
+            # What runs on decode grows with the rate: the running batch and the KV in use (floors
+            # of the sizing, measured now) are projected along the same line.
+            k = plan_rate / snap.request_rate
+            decode_snap = replace(decode_snap, decode_running=(snap.decode_running or 0.0) * k,
+                                  kv_usage=None if snap.kv_usage is None else snap.kv_usage * k)
+        rec_d, why_d, itl_pred = self._size_decode(decode_snap)
         # Tolerance against flapping (HPA's is 10 %): a phase shrinks only if it would still
         # shrink with that much more load than measured. It guards against noise in the measured
         # rate; a surge plan is a remembered peak, not a noisy measurement, and is not inflated.
@@ -291,7 +311,14 @@ class Planner:
         if rec_d < current["decode"]:
             rec_d = max(rec_d, min(current["decode"], self._size_decode(_scaled(snap, max(plan_rate, tolerant)))[0]))
         if surge > 1 and not rising:
-            peak = self._typical(snap, plan_rate)
+            # Inside a recurring burst one window's rate scatters around the level its predecessors
+            # held; a reading within noise (3σ of one window's Poisson count) of that level is that
+            # level, not a taller burst (sized from the reading, every burst's noisiest window
+            # bought a replica that the scale-down window then kept five minutes).
+            carry_rate, level = plan_rate, self.bursts.level()
+            if level is not None and level < carry_rate <= level + 3 * math.sqrt(level / cfg.interval_s):
+                carry_rate = level
+            peak = self._typical(snap, carry_rate)
             carry, how = self._prefill_throughput(peak), "carried at the burst peak"
             if self.pace == "sudden":
                 # Bursts rise faster than replicas start: the peak must find its TTFT met.
@@ -300,8 +327,11 @@ class Planner:
             # it and the lulls, carrying the remembered peak's throughput is enough (the latency
             # model, FCFS, overstates the tail near full utilisation; queues and misses still act).
             if carry > rec_p or self.pace == "gradual":
-                rec_p, why_p = carry, f"{plan_rate * (self.sizes.prompt() or 0):.0f} prompt tok/s {how}"
-        if plan_rate > snap.request_rate:
+                rec_p, why_p = carry, f"{carry_rate * (self.sizes.prompt() or 0):.0f} prompt tok/s {how}"
+        if trend_note:
+            why_p += trend_note
+            why_d += trend_note
+        elif plan_rate > snap.request_rate:
             note = f" (surge headroom ×{surge:.2f}: sized for {plan_rate:.1f} req/s; {memory_note})"
             why_p += note
             why_d += note
@@ -346,6 +376,11 @@ class Planner:
         # (those requests got their first token late): already answered, not prefill's miss.
         decode_recovered = self.decode_bound_before and not decode_bound
         self.decode_bound_before = decode_bound
+        # Likewise a prefill backlog that drained by this window's end: the window's TTFT holds the
+        # requests that waited in it (the replicas ordered for it are serving or on their way), so
+        # a miss with no queue left is that backlog's past, not a model that is off.
+        prefill_recovered = self.prefill_backlog_before and not prefill_backlog
+        self.prefill_backlog_before = prefill_backlog
         missed_before, self.missed_before = self.missed_before, snap.ttft_p is not None and snap.ttft_p > cfg.ttft_s
         if (snap.ttft_p is not None and snap.ttft_p > cfg.ttft_s and cfg.ttft_s - floor > 0.2 * cfg.ttft_s
                 and not (decode_recovered and not prefill_backlog)):
@@ -365,7 +400,7 @@ class Planner:
                 want, why = self._drain_prefill(snap, plan_rate, current["prefill"])
                 if want > rec_p:
                     rec_p, why_p, urgent["prefill"] = want, f"{miss}; {why}", True
-            elif not decode_bound and not (snap.decode_waiting or 0) > 0 and not carried:
+            elif not decode_bound and not (snap.decode_waiting or 0) > 0 and not carried and not prefill_recovered:
                 # No queue explains the miss: the model is off (a prior far from the truth, not yet
                 # calibrated). Trust the observation, in proportion to it. Not while a remembered
                 # burst's peak is already carried by the replicas serving: that miss is the burst's

@@ -246,6 +246,24 @@ def test_ttft_miss_with_a_backlog_sizes_for_the_queue_left_when_new_replicas_are
     assert "backlog" in d.prefill.reason
 
 
+def test_ttft_miss_left_by_a_drained_prefill_backlog_buys_nothing():
+    # The code trace's cold start: a backlog window orders replicas; the next window's queue is
+    # gone but its TTFT still holds the requests that waited in it. Scaling that miss ×2 (the
+    # uncalibrated model's rule) took the pool from 12 to 24 for five minutes.
+    def second_window(backlog_before: bool):
+        planner = Planner(PlannerConfig(behavior=slow_up(), prefill=PhaseLimits(1, 64)), frozen_model())
+        current = {"prefill": 12, "decode": 2}
+        first = dict(prefill_queue_tokens=400000.0, ready_prefill=12) if backlog_before else dict(ready_prefill=12)
+        current = planner.plan(snap(0, rate=8.0, ttft_p=0.3, **first), current, 0).desired
+        return current, planner.plan(snap(15, rate=8.0, ttft_p=40.0, ready_prefill=12), current, 15)
+
+    current, d = second_window(backlog_before=True)
+    assert d.prefill.desired == current["prefill"], d.prefill.reason
+    # Without a backlog before it, the same miss is the model being off: scaled in proportion.
+    current, d = second_window(backlog_before=False)
+    assert d.prefill.desired > current["prefill"] and "×" in d.prefill.reason
+
+
 def test_ttft_miss_of_requests_stranded_on_decode_is_not_prefills():
     # No prefill queue, requests waiting on one full decode worker while the pool has room: the
     # TTFT tail is theirs; neither phase grows.
@@ -592,6 +610,105 @@ def test_lulls_between_gradual_bursts_carry_the_peak_and_sudden_ones_meet_its_la
     assert gradual == planner._prefill_throughput(peak)
     sudden, planner, plan = lull(15)
     assert sudden == planner._size_prefill(snap(0, rate=plan))[0] > gradual
+
+
+def test_a_burst_is_remembered_at_the_level_it_held_not_its_noisiest_reading():
+    from phasesplit.operator.planner.bursts import BurstMemory
+
+    mem = BurstMemory(interval_s=15.0, reaction_s=75.0)
+    wobble = [3.0, -3.0, 1.0, -1.0, 4.0, -4.0]  # one window's Poisson scatter around 26/s
+    for t, rate in _bursts(2, tail_s=0):
+        if rate > 8.0:
+            rate += wobble[(t // 15) % len(wobble)]
+        mem.observe(t, rate)
+    ended = [b for b in mem.bursts if b.end is not None]
+    assert ended and all(b.peak > 27.0 for b in ended)  # the highest smoothed reading
+    assert all(b.level == pytest.approx(26.0, abs=1.0) for b in ended)
+    assert mem.level() == pytest.approx(26.0, abs=1.0)
+    assert mem.headroom(1190.0, 10.0).rate == pytest.approx(mem.level())  # held at the level, not the peak
+
+
+def _plateau_bursts(peak: float, rise_s: int = 120, hold_s: int = 240, periods: int = 3, gap_s: int = 600,
+                    base: float = 8.0):
+    """Rates every 15 s: bursts base → peak over rise_s (slower than a reaction time: gradual),
+    held hold_s, every gap_s."""
+    out = []
+    for t in range(0, periods * gap_s, 15):
+        x = t % gap_s - 240
+        on = 0 <= x < rise_s + hold_s
+        out.append((t, base + (peak - base) * min(1.0, (x + 15) / rise_s) if on else base))
+    return out
+
+
+def test_a_reading_within_noise_of_a_recurring_bursts_level_buys_no_replica():
+    # Inside the third burst one window reads 2σ above the level the first two held: sized from
+    # that reading, the carry rose by a replica (kept five minutes by the scale-down window); a
+    # reading far beyond the level still counts.
+    def in_third_burst(rate_read: float) -> int:
+        planner = Planner(PlannerConfig(interval_s=15.0, prefill=PhaseLimits(1, 40), decode=PhaseLimits(1, 40)),
+                          frozen_model())
+        current = {"prefill": 1, "decode": 1}
+        at = 2 * 600 + 240 + 120 + 60  # a minute into the third burst's plateau
+        for t, rate in _plateau_bursts(28.0):
+            if t == at:
+                assert planner.bursts.level() == pytest.approx(28.0) and planner.pace == "gradual"
+                return planner.plan(snap(t, rate=rate_read, ttft_p=0.2), current, t).prefill.recommended
+            current = planner.plan(snap(t, rate=rate, ttft_p=0.2), current, t).desired
+        raise AssertionError("no third burst")
+
+    level = in_third_burst(28.0)
+    assert in_third_burst(28.0 + 2 * math.sqrt(28.0 / 15)) == level
+    assert in_third_burst(28.0 * 1.3) > level
+
+
+def test_rate_trend_sees_a_steady_rise_and_not_poisson_scatter():
+    from phasesplit.operator.planner.trend import RateTrend
+
+    rng = random.Random(5)
+    flat = RateTrend()
+    for t in range(0, 3600, 15):
+        flat.observe(t, rng.gauss(20.0, math.sqrt(20.0 / 15)))
+        assert flat.ahead(t, 75.0) is None or t < 120, t
+    rise = RateTrend()
+    for t in range(0, 600, 15):  # the diurnal morning: +1.1 req/s per minute, with scatter
+        rise.observe(t, 6.0 + 1.1 * t / 60 + rng.gauss(0.0, math.sqrt(12.0 / 15)))
+    assert rise.slope() * 60 == pytest.approx(1.1, rel=0.3)
+    assert rise.ahead(585, 75.0) == pytest.approx(6.0 + 1.1 * 660 / 60, rel=0.1)
+
+
+def test_decode_is_ordered_one_reaction_time_ahead_of_a_steady_rise():
+    # KV-bound decode on a rising load: sized for the rate measured, the replica is ordered when
+    # the cache is already at its edge and is up a start-up later; on the trend's line it is
+    # ordered that much earlier.
+    def first_order(rate_at) -> float:
+        planner = Planner(PlannerConfig(interval_s=15.0, prefill=PhaseLimits(1, 40), decode=PhaseLimits(1, 40)),
+                          frozen_model())
+        current = {"prefill": 4, "decode": 1}
+        for t in range(0, 1800, 15):
+            r = rate_at(t)
+            d = planner.plan(snap(t, rate=r, decode_running=r * 8.0, kv_usage=min(1.0, r * 8.0 * 1200 / 152000)),
+                             current, t)
+            if d.desired["decode"] > 1:
+                return t, d.decode.reason
+            current = d.desired
+        raise AssertionError("decode never grew")
+
+    rising, why = first_order(lambda t: 4.0 + t / 60)
+    assert "rising" in why, why
+    planner_flat = Planner(PlannerConfig(interval_s=15.0, prefill=PhaseLimits(1, 40), decode=PhaseLimits(1, 40)),
+                           frozen_model())
+    planner_flat.trend.z = float("inf")  # the same planner without the trend
+    current = {"prefill": 4, "decode": 1}
+    flat_t = None
+    for t in range(0, 1800, 15):
+        r = 4.0 + t / 60
+        d = planner_flat.plan(snap(t, rate=r, decode_running=r * 8.0, kv_usage=min(1.0, r * 8.0 * 1200 / 152000)),
+                              current, t)
+        if d.desired["decode"] > 1:
+            flat_t = t
+            break
+        current = d.desired
+    assert flat_t is not None and rising <= flat_t - 45, (rising, flat_t)
 
 
 def test_capacity_held_for_a_burst_is_sized_from_recent_request_sizes_not_one_window():
