@@ -104,6 +104,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only the chosen policy (default: also best static and hpa-queue)")
     p.add_argument("--warmup", type=parse_span, default=120.0,
                    help="leave requests arriving in this first span (and its replica-seconds) out of the results")
+    p.add_argument("--history", type=int, default=0, metavar="N",
+                   help="replay the workload N times before the counted pass (every policy runs them; "
+                        "only the last pass is counted): the planner as it runs after seeing this "
+                        "traffic before, its burst memory and calibration learned, not a cold start")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--plot", default=None, metavar="FILE.png",
@@ -122,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         summarize,
         table,
     )
-    from phasesplit.operator.sim.workload import GENERATED, generate, read_trace
+    from phasesplit.operator.sim.workload import GENERATED, generate, read_trace, replay
 
     try:
         profile = load_profile(args.profile)
@@ -150,6 +154,14 @@ def run(args: argparse.Namespace) -> int:
         duration = args.duration or 3600.0
         requests = generate(args.workload, duration, args.rate, args.seed)
         name = args.workload
+    if args.history < 0:
+        print("phasesplit sim: --history must be ≥ 0", file=sys.stderr)
+        return 2
+    counted_from = 0.0
+    if args.history:
+        requests = replay(requests, duration, args.history + 1)
+        counted_from = args.history * duration
+        duration *= args.history + 1
     ttft, itl = args.slo["ttft"], args.slo["itl"]
     setup = Setup(requests, profile, ttft, itl, args.percentile, duration)
 
@@ -159,11 +171,13 @@ def run(args: argparse.Namespace) -> int:
 
     start = initial_counts(setup, new_planner().planner)
     results, sims = {}, {}
-    policy = new_planner()
-    sims["planner"] = simulate(setup, policy, start, args.interval)
-    warm = min(args.warmup, duration / 4)
-    results["planner"] = summarize(sims["planner"], "planner", name, warm)
-    reference = results["planner"]["attainment"]
+    # After a replayed history the counted pass starts warm; else its first minutes are left out.
+    warm = counted_from if args.history else min(args.warmup, duration / 4)
+    # The planner runs unless only fixed counts were asked for (its attainment is the static
+    # search's reference and every baseline is shown beside it).
+    if args.policy != "static" or not args.static or args.baselines:
+        sims["planner"] = simulate(setup, new_planner(), start, args.interval)
+        results["planner"] = summarize(sims["planner"], "planner", name, warm)
     if args.policy == "schedule":
         if not args.schedule:
             print("phasesplit sim: --policy schedule needs --schedule T:P+D,...", file=sys.stderr)
@@ -179,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
         results["static"]["static_replicas"] = {"prefill": p, "decode": d}
         sims["static"] = sim
     elif args.policy == "static" or args.baselines:
+        reference = results["planner"]["attainment"]
         summary, sim, runs = best_static(setup, reference, args.max_replicas, args.interval, warm)
         summary["workload"] = name
         summary["search"] = {"reference_attainment": reference, "runs": runs}
@@ -192,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
     chosen["profile"] = args.profile
     chosen["duration_s"] = duration
     chosen["warmup_s"] = warm
+    if args.history:
+        chosen["history"] = args.history
     if is_trace:
         chosen["scale"] = {"time": args.time_scale, "tokens": args.token_scale}
         chosen["attribution"] = ATTRIBUTION
@@ -206,13 +223,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"workload {name}: {len(requests)} requests over {duration:.0f} s; profile {args.profile}; "
               f"SLO TTFT {ttft * 1000:.0f} ms, ITL {itl * 1000:.0f} ms (both met = attained); "
-              f"first {warm:.0f} s left out (warm-up)")
+              + (f"replayed {args.history + 1}x, only the last pass counted" if args.history
+                 else f"first {warm:.0f} s left out (warm-up)"))
         print(table([results[k] for k in ("planner", "schedule", "static", "hpa-queue") if k in results]))
         if "static" in results and "search" in results["static"]:
             s = results["static"]["search"]
             print(f"static: cheapest fixed counts reaching the planner's attainment "
                   f"({s['reference_attainment'] * 100:.1f}%), {s['runs']} runs searched")
-        held = results["planner"].get("held")
+        held = results.get("planner", {}).get("held")
         if held:
             def sec(v):
                 return "-" if v is None else f"{v:.1f}s"

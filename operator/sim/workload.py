@@ -105,3 +105,8 @@ def read_trace(path: str | Path, time_scale: float = 1.0, token_scale: float = 1
         out.append(Request(at, max(1, round(row.context_tokens * token_scale)),
                            max(1, round(row.generated_tokens * token_scale))))
     return out
+
+
+def replay(requests: list[Request], period: float, times: int) -> list[Request]:
+    """The workload `times` times back to back, each pass `period` seconds after the last."""
+    return [Request(r.arrival + k * period, r.isl, r.osl) for k in range(times) for r in requests]

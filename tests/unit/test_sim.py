@@ -140,6 +140,28 @@ def test_cli_json_contract():
     assert doc["slo"] == {"ttft_s": 0.8, "itl_s": 0.06} and doc["warmup_s"] == 0
 
 
+def test_history_replays_the_workload_and_counts_only_the_last_pass():
+    from phasesplit.operator.sim.workload import replay
+
+    reqs = [Request(1.0, 100, 10), Request(50.0, 200, 20)]
+    assert replay(reqs, 60.0, 3) == reqs + [Request(61.0, 100, 10), Request(110.0, 200, 20),
+                                             Request(121.0, 100, 10), Request(170.0, 200, 20)]
+
+    def sim(*extra: str) -> dict:
+        out = io.StringIO()
+        with redirect_stdout(out):
+            rc = main(["sim", "--workload", "steady", "--duration", "3m", "--rate", "3", "--json", "--no-baselines",
+                       "--policy", "static", "--static", "2,1", *extra])
+        assert rc == 0
+        return json.loads(out.getvalue())
+
+    cold, warm = sim("--warmup", "0"), sim("--history", "2")
+    # The same requests counted once, over the last pass's span only.
+    assert warm["requests"] == cold["requests"] and warm["history"] == 2
+    assert warm["warmup_s"] == 2 * 180 and warm["replica_seconds"]["total"] == cold["replica_seconds"]["total"]
+    assert main(["sim", "--workload", "steady", "--history", "-1"]) == 2
+
+
 def test_cli_rejects_unknown_workload(capsys):
     assert main(["sim", "--workload", "nonesuch"]) == 2
     assert "neither" in capsys.readouterr().err
