@@ -5,9 +5,11 @@ weight. This keeps each projection's weight once, in bf16, laid out as cpu_gemm.
 widens it to fp32 in registers inside the matmul: half the bytes per step, activations and sums
 fp32. Used by `dtype=auto` on such CPUs (model_runner.py); `--dtype float32` keeps fp32 weights.
 
-The kernel beats torch's fp32 matmul at every row count measured here, prefill included (one
-core, SmolLM2-135M's projections, 30 layers, weights not in cache: 1 row 24 ms vs 48, 4 rows 32
-vs 99, 32 rows 146 vs 238, 512 rows 2.0 s vs 2.7 s), so there is no second, widened copy.
+Measured here (tests/bench/bf16_weights.py, one core, SmolLM2-135M's projections x 30 layers,
+weights from memory; docs/benchmarks.md): 2.35x torch's fp32 matmul at 1 and 4 rows, 1.3x at 32;
+at 512 rows 0.79x (a scratch run of an earlier variant: 1.3x; prefill is compute-bound there), and engine
+prefill of a 512-token prompt equal within noise (173 vs 176 tok/s). Prefill uses the kernel too:
+no second, widened fp32 copy is kept.
 """
 
 from __future__ import annotations

@@ -6,7 +6,10 @@ against plain fp32 weights (`--dtype float32`, torch's matmul): per shape, then 
            bf16 weights vs F.linear on fp32 weights (best of 5; 2 at 512 rows);
   prefill  tokens/s of the engine (`LLMEngine('smollm2')`, its default threads) on 512-token prompts
            of random words (engine_peers.build_prompts), best of --repeats after a warm-up, each dtype in its own
-           process.
+           process;
+  step     the same engine's batch-1 decode step after a 256-token prompt, each of 100 steps timed
+           on its own: median and 10th percentile (less sensitive to a shared machine's bursts than
+           decode_bound.py's best-of-3 differences of whole runs).
 
 The 1-minute load average is printed beside each figure.
 
@@ -85,7 +88,15 @@ def prefill_worker(dtype: str, repeats: int) -> None:
         t0 = time.perf_counter()
         eng.generate([p], params)
         vals.append(len(p) / (time.perf_counter() - t0))
-    print(json.dumps({"dtype": dtype, "tokens": len(prompts["prefill"][0]), "threads": eng.runner.threads,
+    eng.add_request("step", prompts["decode"][0][0], SamplingParams(max_tokens=110, temperature=0, ignore_eos=True))
+    steps = []
+    for _ in range(105):
+        t0 = time.perf_counter()
+        eng.step()
+        steps.append(time.perf_counter() - t0)
+    steps = sorted(steps[5:])  # the prefill and the first steps left out
+    print(json.dumps({"dtype": dtype, "tokens": len(prompts["prefill"][0]), "step_ms": [
+                          round(steps[len(steps) // 2] * 1e3, 1), round(steps[len(steps) // 10] * 1e3, 1)], "threads": eng.runner.threads,
                       "tok_s": max(vals), "runs": [round(v) for v in vals], "load": [load, load1()]}))
 
 
@@ -103,7 +114,8 @@ def main() -> int:
                              capture_output=True, text=True, check=True, timeout=1800)
         r = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"prefill --dtype {dtype}: {r['tokens']}-token prompt, {r['threads']} threads: {r['tok_s']:.0f} tok/s "
-              f"{r['runs']} (load {r['load'][0]}-{r['load'][1]})", flush=True)
+              f"{r['runs']}; batch-1 decode step median {r['step_ms'][0]} ms ({1e3 / r['step_ms'][0]:.1f} tok/s), "
+              f"10th percentile {r['step_ms'][1]} ms (load {r['load'][0]}-{r['load'][1]})", flush=True)
     return 0
 
 
