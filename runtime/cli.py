@@ -79,7 +79,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "value is always accepted too")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-                   help="auto: bfloat16 on CUDA and on CPUs with AVX512-BF16, else float32")
+                   help="auto: bfloat16 on CUDA and on CPUs with AVX512-BF16, else float32 with the "
+                        "projections' weights in bfloat16 on AVX2 CPUs (float32: all weights float32)")
     g.add_argument("--quantization", choices=("none", "auto", "q8_0", "q4_0", "q4_1"), default="none",
                    help="none: dequantize a GGUF's weights at load (the reference); auto, or the file's type "
                         "named: serve Q8_0/Q4_0/Q4_1 projections in their blocks through the CPU kernels "

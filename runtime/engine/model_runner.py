@@ -90,7 +90,8 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16
     # On CPUs with native bf16 dot products (AVX512-BF16/AMX) bf16 measured faster here than
-    # fp32 (half the bytes per decode step); elsewhere bf16 is emulated and fp32 wins.
+    # fp32 (half the bytes per decode step); elsewhere bf16 is emulated and fp32 wins (with the
+    # projections' weights still kept in bf16 where the AVX2 kernel runs: see _build).
     return torch.bfloat16 if _cpu_has_bf16() else torch.float32
 
 
@@ -186,7 +187,11 @@ class ModelRunner:
         model.inv_freq = rope_inv_freq(self.cfg).to(self.device)
         if self.tp_size > 1:
             model.all_reduce = all_reduce
-        layouts = model.pack_for_cpu()
+        # dtype auto on a CPU without native bf16 runs fp32, but a decode step is bound by the
+        # weight bytes it streams: keep the projections in bf16 for the AVX2 kernel (activations,
+        # norms and the KV cache stay fp32). --dtype float32 keeps fp32 weights, the reference.
+        layouts = model.pack_for_cpu(bf16_weights=rc.dtype == "auto" and self.device.type == "cpu"
+                                     and self.dtype == torch.float32)
         if set(layouts) != {"plain"}:
             log.info("weight layouts for the CPU matmul: %s",
                      ", ".join(f"{n} {name}" for name, n in sorted(layouts.items())))

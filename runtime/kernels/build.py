@@ -1,8 +1,10 @@
 """Compile the C kernels in this folder once, cache the libraries, load them.
 
-Two libraries, each built only for the instruction sets it names and loaded only on a CPU that
-has them: the bf16 kernels (AVX512-BF16; `library()`) and the quantized-weight matmuls
-(AVX2 + FMA + F16C; `quant_library()`, see cpu_quant.py), which also run where bf16 does not.
+Three libraries, each built only for the instruction sets it names and loaded only on a CPU that
+has them: the bf16 kernels (AVX512-BF16; `library()`), the quantized-weight matmuls
+(AVX2 + FMA + F16C; `quant_library()`, see cpu_quant.py), which also run where bf16 does not,
+and the bf16-weight fp32 matmul for AVX2 CPUs without AVX512-BF16 (`bf16w_library()`, see
+cpu_gemm_avx2.py).
 
 The sources are compiled with the system's C compiler on first use and cached under
 `~/.cache/phasesplit/kernels/`, keyed by the sources and flags, so later starts only load the
@@ -55,6 +57,9 @@ BF16 = Spec("phasesplit_kernels", SOURCES, HEADERS, tuple(FLAGS), CPU_FLAGS)
 # CPU of the last decade has; F16C converts the blocks' fp16 scales.
 QUANT = Spec("phasesplit_quant", (Path(__file__).with_name("quant_gemm.c"),), (),
              ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"), ("avx2", "fma", "f16c"))
+# bf16 weights with fp32 activations where AVX512-BF16 is missing (cpu_gemm_avx2.py): AVX2 + FMA.
+BF16W = Spec("phasesplit_bf16w", (Path(__file__).with_name("gemm_bf16w_avx2.c"),), (),
+             ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"), ("avx2", "fma"))
 
 
 class KernelUnavailable(RuntimeError):
@@ -151,6 +156,22 @@ def quant_library() -> ctypes.CDLL | None:
         return None
 
 
+@cache
+def bf16w_library() -> ctypes.CDLL | None:
+    """The bf16-weight fp32 matmul for AVX2 CPUs (cpu_gemm_avx2.py), or None where it cannot be
+    used here (the reason is logged once; the weights then stay fp32)."""
+    from phasesplit.runtime.kernels import cpu_gemm_avx2
+
+    try:
+        lib = _open(BF16W)
+        cpu_gemm_avx2.declare(lib)
+        cpu_gemm_avx2.self_check(lib)
+        return lib
+    except (KernelUnavailable, OSError, subprocess.SubprocessError) as e:
+        log.info("bf16-weight AVX2 kernel not used: %s", e)
+        return None
+
+
 def _load() -> ctypes.CDLL:
     from phasesplit.runtime.kernels import cpu_argmax, cpu_attention, cpu_gemm, cpu_norm, cpu_rope
 
@@ -195,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no C compiler (cc, gcc or clang) on PATH", flush=True)
         return 1
     try:
-        for spec in (BF16, QUANT):
+        for spec in (BF16, QUANT, BF16W):
             print(build(cc, args.dir, spec))
     except KernelUnavailable as e:
         print(e)

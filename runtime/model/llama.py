@@ -17,7 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phasesplit.runtime.kernels import build, cpu_gemm, cpu_norm, cpu_quant, cpu_rope, hugepages
+from phasesplit.runtime.kernels import (
+    build,
+    cpu_gemm,
+    cpu_gemm_avx2,
+    cpu_norm,
+    cpu_quant,
+    cpu_rope,
+    hugepages,
+)
 from phasesplit.runtime.model.attention import AttentionMetadata, LayerCache, layer_caches, paged_attention
 from phasesplit.runtime.model.config import ModelConfig
 from phasesplit.runtime.model.quantized import QuantWeight
@@ -59,6 +67,7 @@ class Linear(nn.Module):
         self.tiled: torch.Tensor | None = None  # cpu_gemm's layout
         self._gemm = None
         self._swiglu = False  # tiled with gate and up tiles alternating (pack_for_cpu(swiglu=True))
+        self._bf16w = False  # tiled holds bf16 weights for fp32 activations (cpu_gemm_avx2)
         self.blocks: QuantWeight | None = None  # GGUF blocks served natively (quantized.py)
         self._qlib = None
 
@@ -69,7 +78,7 @@ class Linear(nn.Module):
         lin.out_features = weight.shape[0]
         lin.weight = nn.Parameter(weight, requires_grad=False)
         lin.packed = lin.tiled = lin._gemm = lin.blocks = lin._qlib = None
-        lin._swiglu = False
+        lin._swiglu = lin._bf16w = False
         return lin
 
     @classmethod
@@ -97,6 +106,8 @@ class Linear(nn.Module):
         if self.blocks is not None:
             return cpu_quant.matmul(self._qlib, x, self.blocks.blocks, self.blocks.qtype, residual,
                                     out_dtype or x.dtype)
+        if self._bf16w:
+            return cpu_gemm_avx2.matmul(self._gemm, x, self.tiled, self.out_features, residual)
         if self._gemm is not None:
             return cpu_gemm.matmul(self._gemm, x, self.tiled, self.out_features, residual,
                                    out_dtype or x.dtype)
@@ -111,13 +122,19 @@ class Linear(nn.Module):
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for a weight holding the gate rows, then the up rows; in the matmul's
         epilogue when the weight was packed with swiglu=True."""
+        if self._swiglu and self._bf16w:
+            return cpu_gemm_avx2.matmul(self._gemm, x, self.tiled, self.out_features, act=cpu_gemm_avx2.SWIGLU)
         if self._swiglu:
             return cpu_gemm.matmul(self._gemm, x, self.tiled, self.out_features, act=cpu_gemm.SWIGLU)
         gate, up = self(x).chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def pack_for_cpu(self, swiglu: bool = False) -> str | None:
+    def pack_for_cpu(self, swiglu: bool = False, bf16_weights: bool = False) -> str | None:
         """Re-lay the bf16 weight once for a faster CPU matmul; returns which layout, or None.
+
+        An fp32 weight with `bf16_weights` (dtype auto on an AVX2 CPU without AVX512-BF16): rounded
+        to bf16 in cpu_gemm's layout for cpu_gemm_avx2's kernel, activations staying fp32 (half the
+        bytes a decode step streams); "bf16w_avx2". Kept fp32 where that kernel is unavailable.
 
         First choice is cpu_gemm's kernel (AVX512-BF16; 2-3x oneDNN at decode batch sizes, 1.1x
         at prefill sizes, measured here), else oneDNN's blocked layout (which, against a plain
@@ -128,6 +145,15 @@ class Linear(nn.Module):
         if self.blocks is not None:
             return self.blocks.name
         w = self.weight
+        if bf16_weights and w.device.type == "cpu" and w.dtype == torch.float32 and w.shape[1] % 2 == 0:
+            lib = build.bf16w_library()
+            if lib is None:
+                return None
+            self._gemm, self._bf16w = lib.ps_gemm_bf16w_f32, True
+            self._swiglu = swiglu and w.shape[0] % (2 * cpu_gemm.TILE) == 0
+            self.tiled = cpu_gemm_avx2.pack(w, swiglu=self._swiglu)
+            self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
+            return "bf16w_avx2"
         if w.device.type != "cpu" or w.dtype != torch.bfloat16:
             return None
         layout = None
@@ -297,24 +323,26 @@ class LlamaModel(nn.Module):
             return None
         return build.library()
 
-    def pack_for_cpu(self) -> dict[str, int]:
-        """Re-lay every projection for the CPU matmul (see Linear.pack_for_cpu); a tied LM head
+    def pack_for_cpu(self, bf16_weights: bool = False) -> dict[str, int]:
+        """Re-lay every projection for the CPU matmul (see Linear.pack_for_cpu; `bf16_weights`:
+        fp32 projections kept in bf16 for the AVX2 kernel); a tied LM head
         gets its own re-laid copy (the embedding lookup needs the plain rows): +vocab x hidden
         weights, for a head that is a fifth of SmolLM2's decode step otherwise. Returns how many
         weights took each layout."""
         counts: Counter[str] = Counter()
         for layer in self.layers:
             for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
-                counts[m.pack_for_cpu(swiglu=m is layer.gate_up) or "plain"] += 1
+                counts[m.pack_for_cpu(swiglu=m is layer.gate_up, bf16_weights=bf16_weights) or "plain"] += 1
         if self.lm_head is not None:
-            counts[self.lm_head.pack_for_cpu() or "plain"] += 1
+            counts[self.lm_head.pack_for_cpu(bf16_weights=bf16_weights) or "plain"] += 1
         elif self.tied_head is not None:  # already served from GGUF blocks
             counts[self.tied_head.pack_for_cpu() or "plain"] += 1
         else:  # packing drops only the head module's own reference; the embedding keeps its rows
             head = Linear.from_weight(self.embed.weight)
-            if head.pack_for_cpu() == "cpu_gemm":
+            layout = head.pack_for_cpu(bf16_weights=bf16_weights)
+            if layout in ("cpu_gemm", "bf16w_avx2"):
                 self.tied_head = head
-                counts["cpu_gemm"] += 1
+                counts[layout] += 1
         self._tiled_on_huge_pages()
         return dict(counts)
 

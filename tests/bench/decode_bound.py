@@ -3,10 +3,12 @@
 Each figure runs in its own subprocess (its own OpenMP runtime and thread settings), all on the
 engine's defaults (`LLMEngine('smollm2')`: dtype auto, the runtime's thread count and wait policy):
 
-  bound      the model's weight bytes that one decode step reads (every parameter: the tied head
-             reads the embedding table, the embedding lookup one row) / the time of one read of a
-             buffer that size (`torch.sum` over it, best of 7) on the engine's threads: tokens/s
-             a step could reach if it did nothing but stream its weights once;
+  bound      the model's weight bytes that one decode step reads (every projection in the layout
+             it is served from: fp32, or bf16 where dtype auto keeps the weights in bf16 for the
+             AVX2 kernel; the head: its own copy, or the embedding table it is tied to; the norms;
+             the embedding lookup reads one row, not counted) / the time of one read of a buffer
+             that size (`torch.sum` over it, best of 7) on the engine's threads: tokens/s a step
+             could reach if it did nothing but stream its weights once;
   decode     tokens/s of one greedy request, as engine_peers.py measures it: 128 / (time(256-token
              prompt + 129 tokens) - time(prompt + 1 token)), best of --repeats after a warm-up;
   neighbour  the same while another process spins on one of the CPUs the engine may use
@@ -20,8 +22,10 @@ spin (GOMP_SPINCOUNT=10000), so the table shows what each buys on idle cores and
 busy neighbour. Ratios are taken between figures of the same run; the 1-minute load average is
 kept beside each.
 
-Usage: ~/.cache/phasesplit/venv/bin/python tests/bench/decode_bound.py [--repeats N] [--dtype D]
+Usage: ~/.cache/phasesplit/venv/bin/python tests/bench/decode_bound.py [--repeats N] [--dtype D[,D2...]]
        [--json PATH]
+(`--dtype auto,float32` puts the default beside plain fp32 weights in one run; ratios to the first
+dtype's default row are printed at the end.)
 """
 
 from __future__ import annotations
@@ -40,9 +44,26 @@ sys.path.insert(0, str(ROOT))
 from tests.bench.engine_peers import DECODE_TOKENS, build_prompts, load1  # noqa: E402
 
 # name -> (environment, whether small decode steps keep the runner's one-thread rule)
-WAITS = {"passive (default)": ({}, True),
-         "passive, both threads at batch 1": ({}, False),
-         "spin (GOMP_SPINCOUNT=10000)": ({"GOMP_SPINCOUNT": "10000"}, True)}
+WAITS = {"passive": ({}, True),  # the default
+         "passive-both-threads": ({}, False),  # every step on all threads, batch 1 included
+         "spin": ({"GOMP_SPINCOUNT": "10000"}, True)}
+
+
+def step_weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads, in the layouts they are served from."""
+    from phasesplit.runtime.model.llama import Linear
+
+    def size(t) -> int:
+        return 0 if t is None else t.numel() * t.element_size()
+
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    if model.tied_head is not None and model.tied_head not in linears:
+        linears.append(model.tied_head)
+    total = sum(size(m.weight) + size(m.tiled) + size(m.packed) + size(m.blocks and m.blocks.blocks)
+                for m in linears)
+    if model.lm_head is None and model.tied_head is None:  # the head reads the embedding table
+        total += size(model.embed.weight)
+    return total + sum(size(p) for n, p in model.named_parameters() if "norm" in n)
 
 
 def worker(kind: str, dtype: str, repeats: int, out: Path, small_rule: bool) -> None:
@@ -56,8 +77,10 @@ def worker(kind: str, dtype: str, repeats: int, out: Path, small_rule: bool) -> 
     model = eng.runner.model
     if not small_rule:  # every step on all threads (model_runner.py's SMALL_DECODE_BATCH rule off)
         eng.runner.small_step_threads = None
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    res: dict = {"kind": kind, "threads": eng.runner.threads, "dtype": str(next(model.parameters()).dtype),
+    weight_bytes = step_weight_bytes(model)
+    layouts = sorted({"bf16 weights" if m._bf16w else "" for m in model.modules() if hasattr(m, "_bf16w")} - {""})
+    res: dict = {"kind": kind, "threads": eng.runner.threads,
+                 "dtype": " ".join([str(next(model.parameters()).dtype)] + layouts),
                  "weight_bytes": weight_bytes, "load1_before": load1()}
     if kind == "bound":
         buf = torch.ones(weight_bytes // 4, dtype=torch.float32)
@@ -110,7 +133,11 @@ def run(kind: str, env_extra: dict, small_rule: bool, dtype: str, repeats: int, 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dtype", default="auto", help="the engine's dtype (auto: bf16 with AVX512-BF16, else fp32)")
+    ap.add_argument("--dtype", default="auto",
+                    help="the engine's dtype, or several separated by commas, each a set of rows (auto: bf16 with "
+                         "AVX512-BF16, else fp32 with bf16 projection weights where the AVX2 kernel runs)")
+    ap.add_argument("--waits", default=",".join(WAITS),
+                    help="which of the wait configurations to run (their names, separated by commas; default all)")
     ap.add_argument("--json", type=Path, default=Path("/tmp/phasesplit-decode-bound.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -122,21 +149,25 @@ def main() -> int:
     tmp = a.json.parent / (a.json.stem + ".d")
     tmp.mkdir(parents=True, exist_ok=True)
     rows = []
-    for wait, (extra, small_rule) in WAITS.items():
-        bound = run("bound", extra, True, a.dtype, a.repeats, False, tmp)
-        idle = run("decode", extra, small_rule, a.dtype, a.repeats, False, tmp)
-        busy = run("decode", extra, small_rule, a.dtype, a.repeats, True, tmp)
-        rows.append({"wait": wait, "bound": bound, "idle": idle, "busy": busy})
-        print(f"{wait}: {bound['threads']} threads, {bound['dtype']}, {bound['weight_bytes'] / 1e6:.0f} MB of weights; "
-              f"read {bound['gb_s']:.1f} GB/s -> bound {bound['tok_s']:.1f} tok/s (load {bound['load1_before']})", flush=True)
-        print(f"  decode idle {idle['tok_s']:.1f} tok/s {idle['runs']} = {idle['tok_s'] / bound['tok_s']:.2f} x bound "
-              f"(load {idle['load1_before']}-{idle['load1_after']})", flush=True)
-        print(f"  decode beside a spinning neighbour {busy['tok_s']:.1f} tok/s {busy['runs']} = "
-              f"{busy['tok_s'] / idle['tok_s']:.2f} x idle (load {busy['load1_before']}-{busy['load1_after']})", flush=True)
-    passive_idle = rows[0]["idle"]["tok_s"]
+    for dtype in a.dtype.split(","):
+        for wait in a.waits.split(","):
+            extra, small_rule = WAITS[wait]
+            bound = run("bound", extra, True, dtype, a.repeats, False, tmp)
+            idle = run("decode", extra, small_rule, dtype, a.repeats, False, tmp)
+            busy = run("decode", extra, small_rule, dtype, a.repeats, True, tmp)
+            rows.append({"dtype": dtype, "wait": wait, "bound": bound, "idle": idle, "busy": busy})
+            print(f"--dtype {dtype}, {wait}: {bound['threads']} threads, {bound['dtype']}, "
+                  f"{bound['weight_bytes'] / 1e6:.0f} MB of weights; read {bound['gb_s']:.1f} GB/s -> bound "
+                  f"{bound['tok_s']:.1f} tok/s (load {bound['load1_before']})", flush=True)
+            print(f"  decode idle {idle['tok_s']:.1f} tok/s {idle['runs']} = {idle['tok_s'] / bound['tok_s']:.2f} x bound "
+                  f"(load {idle['load1_before']}-{idle['load1_after']})", flush=True)
+            print(f"  decode beside a spinning neighbour {busy['tok_s']:.1f} tok/s {busy['runs']} = "
+                  f"{busy['tok_s'] / idle['tok_s']:.2f} x idle (load {busy['load1_before']}-{busy['load1_after']})",
+                  flush=True)
+    first = rows[0]
     for r in rows[1:]:
-        print(f"{r['wait']}: idle {r['idle']['tok_s'] / passive_idle:.2f} x passive idle, beside a neighbour "
-              f"{r['busy']['tok_s'] / passive_idle:.2f} x passive idle")
+        print(f"--dtype {r['dtype']}, {r['wait']}: idle {r['idle']['tok_s'] / first['idle']['tok_s']:.2f} x, beside a "
+              f"neighbour {r['busy']['tok_s'] / first['busy']['tok_s']:.2f} x (--dtype {first['dtype']}, {first['wait']})")
     a.json.write_text(json.dumps({"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}, indent=1))
     print(f"raw: {a.json}")
     return 0

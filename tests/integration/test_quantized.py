@@ -15,6 +15,7 @@ from phasesplit.runtime.kernels import build, cpu_quant
 from phasesplit.runtime.model.files import builtin_gguf
 from phasesplit.runtime.model.llama import Linear
 from phasesplit.runtime.request import SamplingParams
+from tests.greedy import compare, greedy_with_top2
 from tests.prompts import all_prompt_ids
 from tests.quant_models import q8_0_copy
 
@@ -45,43 +46,6 @@ def served_formats(eng: LLMEngine) -> set[str]:
     return {m.blocks.name if m.blocks is not None else "dequantized" for m in linears if m is not None}
 
 
-def greedy_with_top2(eng: LLMEngine, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
-    """Per prompt: the greedy tokens and, at each, the margin between the two most likely."""
-    params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0, logprobs=2)
-    out = []
-    for i, ids in enumerate(prompts):
-        tokens, margins = [], []
-        for o in eng.run_to_end(f"q-{i}", ids, params):
-            tokens += o.new_token_ids
-            margins += [lp["top"][0][1] - lp["top"][1][1] for lp in o.logprobs or []]
-        out.append((tokens, margins))
-    return out
-
-
-def compare(name: str, ref: list[tuple[list[int], list[float]]], got: list[tuple[list[int], list[float]]]) -> None:
-    """Equal tokens, or a first divergence explained by a logit tie: where the reference's top-2
-    margin is below the largest move of a top-2 margin the native path makes at positions where
-    both still agree (its precision, measured here over all prompts). Margins are printed."""
-    firsts, moves = [], []
-    for a, ma, b, mb in ((a, ma, b, mb) for (a, ma), (b, mb) in zip(ref, got, strict=True)):
-        assert len(a) == len(b) == NEW_TOKENS
-        j = next((j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
-        firsts.append(j)
-        moves += [abs(x - y) for x, y in zip(ma[:j], mb[:j], strict=True)]
-    precision = max(moves)
-    print(f"{name}: top-2 margins moved by up to {precision:.3f} nats where the paths agree "
-          f"(mean {sum(moves) / len(moves):.3f}, {len(moves)} positions)")
-    assert precision < MAX_MARGIN_MOVE, f"{name}: the native path moves logits by {precision:.3f}: broken"
-    for i, ((a, ma), (b, mb)), j in zip(range(len(ref)), zip(ref, got, strict=True), firsts, strict=True):
-        if j is None:
-            print(f"{name} prompt {i}: {NEW_TOKENS} tokens equal")
-            continue
-        print(f"{name} prompt {i}: first divergence at token {j}: reference {a[j]} (top-2 margin {ma[j]:.4f}), "
-              f"native {b[j]} (its top-2 margin {mb[j]:.4f})")
-        assert ma[j] < precision, (f"{name} prompt {i} diverges at token {j} where the reference's top-2 margin is "
-                                   f"{ma[j]:.3f}, above the native path's precision {precision:.3f}: not a tie")
-
-
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     from phasesplit.runtime.model.loader import resolve
@@ -95,12 +59,12 @@ def test_native_greedy_matches_dequantized(kind: str, prompts: list[list[int]]) 
     model = q8_0_copy() if kind == "q8_0" else builtin_gguf("smollm2")
     ref_engine = engine(model, "none")
     assert served_formats(ref_engine) == {"dequantized"}
-    ref = greedy_with_top2(ref_engine, prompts)
+    ref = greedy_with_top2(ref_engine, prompts, NEW_TOKENS)
     del ref_engine
     native = engine(model, kind)
     # The bundled Q4_1 file's head is its Q8_0 token embedding (tied).
     assert served_formats(native) == ({"q8_0"} if kind == "q8_0" else {"q4_1", "q8_0"})
-    compare(kind, ref, greedy_with_top2(native, prompts))
+    compare(kind, ref, greedy_with_top2(native, prompts, NEW_TOKENS), NEW_TOKENS, MAX_MARGIN_MOVE)
 
 
 def perplexity(eng: LLMEngine, ids: list[int]) -> float:

@@ -1,0 +1,85 @@
+"""fp32 matmuls with bf16 weights on AVX2 CPUs without AVX512-BF16 (gemm_bf16w_avx2.c).
+
+There torch runs the model in fp32 (its bf16 is emulated), and a decode step streams 4 bytes per
+weight. This keeps each projection's weight once, in bf16, laid out as cpu_gemm.pack lays it, and
+widens it to fp32 in registers inside the matmul: half the bytes per step, activations and sums
+fp32. Used by `dtype=auto` on such CPUs (model_runner.py); `--dtype float32` keeps fp32 weights.
+
+Measured here (tests/bench/bf16_weights.py, one core, SmolLM2-135M's projections x 30 layers,
+weights from memory; docs/benchmarks.md): 2.35x torch's fp32 matmul at 1 and 4 rows, 1.3x at 32;
+at 512 rows 0.79x (a scratch run of an earlier variant: 1.3x; prefill is compute-bound there), and engine
+prefill of a 512-token prompt equal within noise (173 vs 176 tok/s). Prefill uses the kernel too:
+no second, widened fp32 copy is kept.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from phasesplit.runtime.kernels import cpu_gemm
+from phasesplit.runtime.kernels.build import KernelUnavailable
+
+NONE, SWIGLU = cpu_gemm.NONE, cpu_gemm.SWIGLU
+
+
+def declare(lib: ctypes.CDLL) -> None:
+    fn = lib.ps_gemm_bf16w_f32
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int] * 2
+    fn.restype = ctypes.c_int
+
+
+def pack(weight: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+    """[N, K] float -> bf16 (round to nearest even) in cpu_gemm's layout; swiglu: gate and up
+    tiles alternating (cpu_gemm.pack_swiglu)."""
+    w = weight.detach().bfloat16()
+    return cpu_gemm.pack_swiglu(w) if swiglu else cpu_gemm.pack(w)
+
+
+def matmul(fn: ctypes._CFuncPtr, x: torch.Tensor, packed: torch.Tensor, n: int,
+           residual: torch.Tensor | None = None, act: int = NONE) -> torch.Tensor:
+    """x [M, K] fp32 @ W^T (+ residual [M, N] fp32) with W packed by `pack`; out [M, N] fp32.
+    act=SWIGLU: W packed with swiglu=True and n = 2I rows; out [M, I] = silu(gate) * up."""
+    x = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
+    m, k = x.shape
+    if residual is not None:
+        residual = residual.contiguous() if residual.dtype == torch.float32 else residual.float().contiguous()
+    out = torch.empty(m, n // 2 if act == SWIGLU else n, dtype=torch.float32)
+    rc = fn(x.data_ptr(), packed.data_ptr(), None if residual is None else residual.data_ptr(), out.data_ptr(),
+            m, n, k, torch.get_num_threads(), act)
+    if rc != 0:
+        raise KernelUnavailable(f"bf16-weight matmul rejected its arguments (rows {m}, cols {n}, inner {k}, "
+                                f"act {act})")
+    return out
+
+
+def self_check(lib: ctypes.CDLL) -> None:
+    """Compare with F.linear on the bf16-rounded weight: odd shapes (column tails, 1-9 rows: the
+    row pairs and a single last row, an odd pair count), a residual, SwiGLU, 1 and 2 threads."""
+    fn = lib.ps_gemm_bf16w_f32
+    g = torch.Generator().manual_seed(0)
+    cases = ((1, 37, 64, False, NONE), (5, 40, 34, True, NONE), (9, 16, 128, False, NONE),
+             (3, 50, 98, True, NONE), (2, 64, 40, False, SWIGLU), (7, 96, 66, True, SWIGLU))
+    for m, n, k, with_res, act in cases:
+        w = torch.randn(n, k, generator=g)
+        x = torch.randn(m, k, generator=g)
+        r = torch.randn(m, n // 2 if act == SWIGLU else n, generator=g) if with_res else None
+        want = F.linear(x, w.bfloat16().float())
+        if act == SWIGLU:
+            gate, up = want.chunk(2, dim=-1)
+            want = F.silu(gate) * up
+        if r is not None:
+            want = want + r
+        packed = pack(w, swiglu=act == SWIGLU)  # held here: the call reads it
+        for threads in (1, 2):
+            out = torch.empty_like(want)
+            rc = fn(x.data_ptr(), packed.data_ptr(), None if r is None else r.data_ptr(), out.data_ptr(),
+                    m, n, k, threads, act)
+            err = (out - want).abs().max().item()
+            # Only the summation order differs: fp32 rounding over k terms.
+            if rc != 0 or not err <= 1e-4 * (1 + want.abs().max().item()):
+                raise KernelUnavailable(f"bf16-weight matmul self-check failed (rows {m}, cols {n}, inner {k}, "
+                                        f"act {act}, {threads} threads: code {rc}, "
+                                        f"max error {err:.3g})")
