@@ -146,14 +146,7 @@ def quant_library() -> ctypes.CDLL | None:
     reason is logged once; callers then dequantize the weights at load)."""
     from phasesplit.runtime.kernels import cpu_quant
 
-    try:
-        lib = _open(QUANT)
-        cpu_quant.declare(lib)
-        cpu_quant.self_check(lib)
-        return lib
-    except (KernelUnavailable, OSError, subprocess.SubprocessError) as e:
-        log.info("quantized CPU kernels not used: %s", e)
-        return None
+    return _checked(QUANT, cpu_quant, "quantized CPU kernels")
 
 
 @cache
@@ -162,13 +155,18 @@ def bf16w_library() -> ctypes.CDLL | None:
     used here (the reason is logged once; the weights then stay fp32)."""
     from phasesplit.runtime.kernels import cpu_gemm_avx2
 
+    return _checked(BF16W, cpu_gemm_avx2, "bf16-weight AVX2 kernel")
+
+
+def _checked(spec: Spec, kernel, what: str) -> ctypes.CDLL | None:
+    """A one-kernel library opened, declared and checked against torch; None (logged) if not usable."""
     try:
-        lib = _open(BF16W)
-        cpu_gemm_avx2.declare(lib)
-        cpu_gemm_avx2.self_check(lib)
+        lib = _open(spec)
+        kernel.declare(lib)
+        kernel.self_check(lib)
         return lib
     except (KernelUnavailable, OSError, subprocess.SubprocessError) as e:
-        log.info("bf16-weight AVX2 kernel not used: %s", e)
+        log.info("%s not used: %s", what, e)
         return None
 
 
