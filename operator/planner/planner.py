@@ -281,12 +281,12 @@ class Planner:
         # A steady rise (not a burst: the memory has none open) is sized where it will be when
         # replicas ordered now are up.
         self.trend.observe(now, snap.request_rate)
-        ahead = self.trend.ahead(now, self.bursts.reaction_s)
+        line = self.trend.rise(now, self.bursts.reaction_s)
         trend_note = ""
-        if ahead is not None and ahead > plan_rate and not (self.bursts.bursts and self.bursts.bursts[-1].end is None):
-            trend_note = (f" (rising {self.trend.slope() * 60:.1f} req/s per min: sized for {ahead:.1f} req/s "
+        if line is not None and line[1] > plan_rate and not (self.bursts.bursts and self.bursts.bursts[-1].end is None):
+            slope, plan_rate = line
+            trend_note = (f" (rising {slope * 60:.1f} req/s per min: sized for {plan_rate:.1f} req/s "
                           f"{self.bursts.reaction_s:.0f}s ahead)")
-            plan_rate = ahead
         # Burst headroom is throughput, not latency: a burst that arrives finds capacity that
         # carries its peak (prefill at ≤ max_utilisation) while more replicas start, and queues
         # briefly; sizing the lulls for the peak's TTFT quantile would pay for the burst's
@@ -295,11 +295,10 @@ class Planner:
         rec_p, why_p, ttft_pred, ttft_ok = self._size_prefill(_scaled(snap, prefill_rate))
         decode_snap = _scaled(snap, plan_rate)
         if trend_note and snap.request_rate:
-            decode_snap = self._typical(decode_snap, plan_rate)
             # What runs on decode grows with the rate: the running batch and the KV in use (floors
             # of the sizing, measured now) are projected along the same line.
             k = plan_rate / snap.request_rate
-            decode_snap = replace(decode_snap, decode_running=(snap.decode_running or 0.0) * k,
+            decode_snap = replace(self._typical(snap, plan_rate), decode_running=(snap.decode_running or 0.0) * k,
                                   kv_usage=None if snap.kv_usage is None else snap.kv_usage * k)
         rec_d, why_d, itl_pred = self._size_decode(decode_snap)
         # Tolerance against flapping (HPA's is 10 %): a phase shrinks only if it would still

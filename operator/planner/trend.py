@@ -31,8 +31,9 @@ class RateTrend:
         while self.points and self.points[0][0] <= now - self.window_s:
             self.points.popleft()
 
-    def slope(self) -> float | None:
-        """The line's slope in req/s per second when it is a rise beyond noise, else None."""
+    def rise(self, now: float, horizon_s: float) -> tuple[float, float] | None:
+        """(slope in req/s per second, the rate on the line `horizon_s` after `now`) when the
+        line is a rise beyond noise, else None."""
         n = len(self.points)
         if n < self.min_points:
             return None
@@ -45,14 +46,6 @@ class RateTrend:
         resid = sum((r - mr - b * (t - mt)) ** 2 for t, r in self.points)
         se = math.sqrt(resid / (n - 2) / sxx)
         span = self.points[-1][0] - self.points[0][0]
-        return b if b > 0 and b > self.z * se and b * span >= self.min_rise * mr else None
-
-    def ahead(self, now: float, horizon_s: float) -> float | None:
-        """The rate on the line `horizon_s` after `now`, or None when there is no rise."""
-        b = self.slope()
-        if b is None:
+        if not (b > 0 and b > self.z * se and b * span >= self.min_rise * mr):
             return None
-        n = len(self.points)
-        mt = sum(t for t, _ in self.points) / n
-        mr = sum(r for _, r in self.points) / n
-        return mr + b * (now + horizon_s - mt)
+        return b, mr + b * (now + horizon_s - mt)

@@ -42,10 +42,10 @@ def matmul(fn: ctypes._CFuncPtr, x: torch.Tensor, packed: torch.Tensor, n: int,
            residual: torch.Tensor | None = None, act: int = NONE) -> torch.Tensor:
     """x [M, K] fp32 @ W^T (+ residual [M, N] fp32) with W packed by `pack`; out [M, N] fp32.
     act=SWIGLU: W packed with swiglu=True and n = 2I rows; out [M, I] = silu(gate) * up."""
-    x = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
+    x = x.float().contiguous()  # both no-ops for a contiguous fp32 tensor
     m, k = x.shape
     if residual is not None:
-        residual = residual.contiguous() if residual.dtype == torch.float32 else residual.float().contiguous()
+        residual = residual.float().contiguous()
     out = torch.empty(m, n // 2 if act == SWIGLU else n, dtype=torch.float32)
     rc = fn(x.data_ptr(), packed.data_ptr(), None if residual is None else residual.data_ptr(), out.data_ptr(),
             m, n, k, torch.get_num_threads(), act)

@@ -668,12 +668,13 @@ def test_rate_trend_sees_a_steady_rise_and_not_poisson_scatter():
     flat = RateTrend()
     for t in range(0, 3600, 15):
         flat.observe(t, rng.gauss(20.0, math.sqrt(20.0 / 15)))
-        assert flat.ahead(t, 75.0) is None or t < 120, t
+        assert flat.rise(t, 75.0) is None or t < 120, t
     rise = RateTrend()
     for t in range(0, 600, 15):  # the diurnal morning: +1.1 req/s per minute, with scatter
         rise.observe(t, 6.0 + 1.1 * t / 60 + rng.gauss(0.0, math.sqrt(12.0 / 15)))
-    assert rise.slope() * 60 == pytest.approx(1.1, rel=0.3)
-    assert rise.ahead(585, 75.0) == pytest.approx(6.0 + 1.1 * 660 / 60, rel=0.1)
+    slope, ahead = rise.rise(585, 75.0)
+    assert slope * 60 == pytest.approx(1.1, rel=0.3)
+    assert ahead == pytest.approx(6.0 + 1.1 * 660 / 60, rel=0.1)
 
 
 def test_decode_is_ordered_one_reaction_time_ahead_of_a_steady_rise():
