@@ -149,6 +149,7 @@ def snapshot(prev: Scrape, cur: Scrape, percentile: float,
         decode_waiting=_gauge(cur, WAITING, decode),
         kv_usage=_gauge(cur, KV_USAGE, decode, "mean"),
         slo_attainment=attainment(ttft, itl, slo),
+        ttft_attainment=attainment(ttft, None, slo),
         ready_prefill=len(_phase_pods(cur, prefill)) or None,
         ready_decode=len(_phase_pods(cur, decode)) or None,
         # Prompt tokens are counted when the first token is out (runtime/server/metrics.py), so

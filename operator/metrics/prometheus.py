@@ -141,6 +141,7 @@ class PrometheusSource:
             prefill_waiting=v["prefill_waiting"] if prefill != decode else None,
             decode_running=v["decode_running"], decode_waiting=v["decode_waiting"], kv_usage=v["kv_usage"],
             slo_attainment=attainment(hists[0], hists[1], self.slo),
+            ttft_attainment=attainment(hists[0], None, self.slo),
             ready_prefill=int(v["ready_prefill"]) if v["ready_prefill"] else None,
             ready_decode=int(v["ready_decode"]) if v["ready_decode"] else None,
             prompt_tokens_mean=(v["prompt_token_rate"] / rate) if rate and v["prompt_token_rate"] is not None else None,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from phasesplit.operator.api import PHASES, Behavior
 from phasesplit.operator.planner.behavior import HPA_BEHAVIOR, PhaseLimiter, apply_ratio
 from phasesplit.operator.planner.bursts import BurstMemory
+from phasesplit.operator.planner.clumps import ClumpMemory
 from phasesplit.operator.planner.model import DecodeProfile, PerfModel, PrefillProfile
 from phasesplit.operator.planner.queueing import replicas_for_ttft, service_quantile
 from phasesplit.operator.planner.sizes import RequestSizes
@@ -49,6 +50,10 @@ class PlannerConfig:
     burst_decay: float = 1.5  # burst headroom is kept this many longest inter-burst gaps after the last
     burst_first_hold_s: float = 900.0  # ... or this long after a first burst (no gap learned yet)
     max_surge: float = 3.0
+    # Clumps of long prompts (clumps.py): TTFT misses on a prefill pool loaded at most this much
+    # are not Poisson queueing; the replica they buy steps down one per clump_step_s without one.
+    clump_load: float = 0.6
+    clump_step_s: float = 300.0
     # Scale to zero: a phase whose min_replicas is 0 goes to zero after this long with nothing
     # arriving, held, queued or running (None: never to zero, min 0 means 1).
     idle_after_s: float | None = None
@@ -111,6 +116,7 @@ class Planner:
     woke_at: float | None = None  # when the phases were last woken from zero
     zero_note: str | None = None  # why the phases went to zero, kept as the message while they sleep
     decode_bound_before: bool = False
+    kv_short_at: float | None = None  # the newest window that ended with decode KV-bound
     prefill_backlog_before: bool = False  # the previous window ended with a prefill backlog
     missed_before: bool = False  # the previous window missed the TTFT target
     pace: str | None = None  # "sudden"/"gradual": how the remembered bursts rose (bursts.Headroom)
@@ -123,6 +129,7 @@ class Planner:
                                   max_factor=cfg.max_surge)
         self.sizes = RequestSizes()
         self.trend = RateTrend()
+        self.clumps = ClumpMemory(allowed=(1 - cfg.percentile) / 2, step_s=cfg.clump_step_s)
 
     def _typical(self, snap: MetricsSnapshot, rate: float) -> MetricsSnapshot:
         """The snapshot at `rate` with the recent mean request sizes instead of this window's:
@@ -420,6 +427,34 @@ class Planner:
                     rec_p, why_p, urgent["prefill"] = want, f"{miss}: {how}", True
             # Requests waiting on a decode worker whose queue is stranded there (KV not short
             # overall) explain the miss too; no replica added now would serve them sooner.
+        # Requests that waited for KV get their first tokens (late) for a while after the cache
+        # frees up: for a reaction time after a KV shortage, misses are its past.
+        if decode_bound:
+            self.kv_short_at = now
+        kv_past = self.kv_short_at is not None and now - self.kv_short_at <= self.bursts.reaction_s
+        # Requests that missed on a lightly loaded pool with no queue, KV shortage, rate burst or
+        # rise to explain it: clumps of long prompts at an ordinary rate (clumps.py). While they
+        # keep spending the SLO's budget, one replica more than served them is kept. A window of
+        # a few requests says nothing (the last two of a drained backlog would buy a replica).
+        served = snap.request_rate * snap.window_s
+        serving = max(snap.ready_prefill or current["prefill"], 1)
+        load = (snap.prompt_token_rate or 0.0) / (serving * self.model.prefill.tokens_per_s)
+        unexplained = (snap.ttft_attainment is not None and served >= self.model.min_requests
+                       and load <= cfg.clump_load
+                       # (a clump is at most the window's prompts arriving at once: its last first
+                       # token comes within the window's work on the pool; a TTFT tail far beyond
+                       # that is waits of another kind, already past)
+                       and (snap.ttft_p is None or snap.ttft_p <= max(cfg.ttft_s, floor + load * snap.window_s))
+                       and cfg.ttft_s - floor > 0.2 * cfg.ttft_s and not prefill_backlog and not prefill_recovered
+                       and not kv_past and not (snap.decode_waiting or 0) > 0
+                       and not (snap.itl_p is not None and snap.itl_p > cfg.itl_s) and not rising and not trend_note)
+        missed = served * (1 - snap.ttft_attainment) if unexplained else 0.0
+        self.clumps.observe(now, served, missed, serving)
+        held = self.clumps.floor()
+        if held is not None and held > rec_p:
+            rec_p, urgent["prefill"] = min(held, cfg.prefill.max_replicas), held > current["prefill"]
+            why_p = (f"clumps of long prompts: windows at an ordinary rate with no queue left missed for "
+                     f">{self.clumps.allowed * 100:g} % of their requests; keeping {held}")
         if snap.itl_p is not None and snap.itl_p > cfg.itl_s:
             factor = min(snap.itl_p / cfg.itl_s, cfg.max_miss_factor)
             want = math.ceil((snap.ready_decode or current["decode"]) * factor)

@@ -29,6 +29,7 @@ class MetricsSnapshot:
     decode_waiting: float | None = None  # requests waiting for KV blocks on decode
     kv_usage: float | None = None  # mean fraction of decode KV cache in use, 0-1
     slo_attainment: float | None = None  # fraction of the window's requests meeting both SLOs
+    ttft_attainment: float | None = None  # fraction of the window's first tokens within the TTFT target
     ready_prefill: int | None = None  # replicas that served the window (for calibration)
     ready_decode: int | None = None
     # Per-request token means from the request-size histograms (sum/count deltas). Preferred

@@ -492,6 +492,7 @@ class Simulation:
             decode_waiting=float(sum(len(r.waitq) for r in dec)),
             kv_usage=sum(r.reserved for r in dec) / (len(dec) * self.p.kv_capacity_tokens) if dec else None,
             slo_attainment=met / len(self.w_done) if self.w_done else None,
+            ttft_attainment=sum(1 for t in self.w_ttft if t <= ttft_ok) / len(self.w_ttft) if self.w_ttft else None,
             ready_prefill=len(pre), ready_decode=len(dec),
             held_requests=float(len(self.held)),
             prompt_tokens_mean=self.w_prompt / self.w_arrivals if self.w_arrivals else None,

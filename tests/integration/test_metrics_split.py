@@ -50,4 +50,5 @@ def test_split_snapshot_attributes_each_number_to_its_phase(split):
     assert snap.mean_prompt_tokens == pytest.approx(sum(lengths) / 4)  # counted by the prefill worker
     assert snap.generated_tokens_mean == pytest.approx(5)  # counted by the decode worker
     assert snap.ttft_p > 0 and snap.itl_p > 0 and snap.slo_attainment == pytest.approx(1.0)
+    assert snap.ttft_attainment == pytest.approx(1.0)
     assert snap.decode_running == 0 and 0 <= snap.kv_usage <= 1 and snap.prefill_queue_tokens == 0

@@ -828,3 +828,52 @@ def test_nothing_scales_to_zero_while_requests_are_held_or_in_flight(busy):
         current = planner.plan(_idle(t), current, t).desired
         assert current != {"prefill": 0, "decode": 0}
     assert planner.plan(_idle(585 + 120), current, 585 + 120).desired == {"prefill": 0, "decode": 0}
+
+
+def test_clump_memory_keeps_a_replica_while_over_budget_windows_recur_and_steps_down_after():
+    from phasesplit.operator.planner.clumps import ClumpMemory
+
+    m = ClumpMemory(allowed=0.025, step_s=300.0, recur_s=600.0)
+    m.observe(0, 200, 8, serving=6)  # one window over budget: noise until another comes
+    assert m.floor() is None
+    m.observe(120, 200, 4, serving=6)  # within budget (2 %)
+    assert m.floor() is None
+    m.observe(240, 200, 8, serving=6)  # recurs within recur_s: one more than served it
+    assert m.floor() == 7
+    m.observe(300, 200, 9, serving=7)  # ...and again on 7: one more than that
+    assert m.floor() == 8
+    m.observe(590, 200, 0, serving=8)
+    assert m.floor() == 8  # not step_s yet since the last
+    m.observe(600, 200, 0, serving=8)
+    assert m.floor() == 7  # stopped: one replica less per step_s, down to nothing
+    m.observe(900, 200, 0, serving=7)
+    assert m.floor() == 6
+    far = ClumpMemory(allowed=0.025, step_s=300.0, recur_s=600.0)
+    far.observe(0, 200, 8, serving=6)
+    far.observe(700, 200, 8, serving=6)  # two over-budget windows further apart than recur_s
+    assert far.floor() is None
+
+
+def test_clumps_of_long_prompts_at_an_ordinary_rate_keep_a_prefill_replica():
+    # The code trace: a dozen long prompts within seconds on a pool a fifth loaded. Each clump
+    # costs a few requests (the window's p95 stays within target, so no miss rule fires) and
+    # the rate asks for fewer replicas, not more; recurring, they keep one more than served them.
+    def after_three_windows(rate: float, attainments: tuple[float, ...]):
+        planner = Planner(PlannerConfig(behavior=slow_up(), prefill=PhaseLimits(1, 20)),
+                          PerfModel(PrefillProfile(), DecodeProfile()))
+        current = {"prefill": 6, "decode": 2}
+        for i, a in enumerate(attainments):
+            d = planner.plan(snap(i * 15, rate=rate, ttft_p=0.45, ttft_attainment=a, ready_prefill=6, ready_decode=2),
+                             current, i * 15)
+            current = d.desired
+        return d
+
+    d = after_three_windows(8.0, (0.95, 1.0, 0.95))  # 8,000 prompt tok/s on 6 × 9,000
+    assert d.prefill.desired == 7 and "clumps" in d.prefill.reason, d.prefill.reason
+    d = after_three_windows(8.0, (0.95, 1.0, 1.0))  # once is noise
+    assert d.prefill.desired <= 6 and "clumps" not in d.prefill.reason, d.prefill.reason
+    d = after_three_windows(8.0, (0.98, 1.0, 0.98))  # within half the SLO's budget
+    assert d.prefill.desired <= 6, d.prefill.reason
+    # On a pool loaded at 0.74 the same misses are queueing, the model's to size: no clumps.
+    d = after_three_windows(40.0, (0.95, 1.0, 0.95))
+    assert "clumps" not in d.prefill.reason, d.prefill.reason

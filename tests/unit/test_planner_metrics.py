@@ -69,6 +69,21 @@ def test_window_quantile_uses_deltas_not_lifetime():
     assert lifetime.quantile(0.95) < 0.5
 
 
+def test_ttft_attainment_is_the_windows_share_of_first_tokens_within_the_target():
+    # What the planner's clump memory reads: the window's TTFT misses, apart from ITL's.
+    router = Pod("router")
+    for _ in range(1000):
+        router.c(router.ttft).observe(2.0)  # slow history is not this window's
+    before = scrape(0, {"r": router})
+    for i in range(100):
+        router.c(router.ttft).observe(0.2 if i < 96 else 0.8)
+        router.c(router.itl).observe(2.0)  # every token gap misses ITL: not a TTFT miss
+    snap = snapshot(before, scrape(15, {"r": router}), 0.95, slo=(0.5, 0.1))
+    assert snap.ttft_attainment == pytest.approx(0.96)
+    assert snap.slo_attainment == pytest.approx(0.0)
+    assert snapshot(before, scrape(15, {"r": router}), 0.95).ttft_attainment is None  # no SLO given
+
+
 def test_split_pods_aggregate_by_phase():
     router, p1, p2, d1 = Pod("router"), Pod("prefill"), Pod("prefill"), Pod("decode")
     pods = {"router": router, "p1": p1, "p2": p2, "d1": d1}
