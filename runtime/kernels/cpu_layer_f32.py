@@ -24,7 +24,8 @@ def declare(lib: ctypes.CDLL) -> None:
     p, n = ctypes.c_void_p, ctypes.c_long
     for name, args in (("ps_rms_norm_f32", [p] * 3 + [n] * 2 + [ctypes.c_float, ctypes.c_int]),
                        ("ps_rope_write_f32", [p] + [n] * 4 + [p] * 5 + [ctypes.c_int]),
-                       ("ps_decode_attention_f32", [p, n, p, p, p, n, p, p] + [n] * 5 + [ctypes.c_float, p, n, ctypes.c_int])):
+                       ("ps_decode_attention_f32",
+                        [p, n, p, p, p, n, p, p] + [n] * 5 + [ctypes.c_float, p, n, ctypes.c_int])):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
 

@@ -305,7 +305,8 @@ class LlamaModel(nn.Module):
         """
         x = self.embed(input_ids)
         rope_kernel = self._rope_kernel(x, kv_cache)
-        norm_kernel = self.layer_f32.ps_rms_norm_f32 if self.layer_f32 is not None and x.dtype == torch.float32 else None
+        f32 = self.layer_f32 is not None and x.dtype == torch.float32
+        norm_kernel = self.layer_f32.ps_rms_norm_f32 if f32 else None
         if rope_kernel is not None:
             freqs = positions.float()[:, None] * self.inv_freq[None, :]
             cos, sin = freqs.cos(), freqs.sin()
