@@ -245,8 +245,10 @@ class ModelRunner:
         self.small_step_threads = (1 if self.device.type == "cpu" and self.threads > 1
                                    and os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" else None)
         self._step_threads = self.threads
-        self.paged_kernel = kernel_decode_available(self.device, self.dtype)
-        self.small_decode_batch = KERNEL_SMALL_DECODE_BATCH if self.paged_kernel else SMALL_DECODE_BATCH
+        self.paged_kernel = kernel_decode_available(self.device, self.dtype, self.model.layer_f32 is not None)
+        # The batch rule was measured with the bf16 kernels; the AVX2 fp32 path keeps the torch rule.
+        self.small_decode_batch = (KERNEL_SMALL_DECODE_BATCH if self.paged_kernel and self.dtype == torch.bfloat16
+                                   else SMALL_DECODE_BATCH)
         if self.ranks is not None:
             self.ranks.join(self.device)
             self.ranks.wait_ready()

@@ -1,10 +1,11 @@
 """Compile the C kernels in this folder once, cache the libraries, load them.
 
-Three libraries, each built only for the instruction sets it names and loaded only on a CPU that
+Four libraries, each built only for the instruction sets it names and loaded only on a CPU that
 has them: the bf16 kernels (AVX512-BF16; `library()`), the quantized-weight matmuls
 (AVX2 + FMA + F16C; `quant_library()`, see cpu_quant.py), which also run where bf16 does not,
-and the bf16-weight fp32 matmul for AVX2 CPUs without AVX512-BF16 (`bf16w_library()`, see
-cpu_gemm_avx2.py).
+the bf16-weight fp32 matmul for AVX2 CPUs without AVX512-BF16 (`bf16w_library()`, see
+cpu_gemm_avx2.py), and beside it the fp32 norm, RoPE and decode attention (`layer_f32_library()`,
+see cpu_layer_f32.py).
 
 The sources are compiled with the system's C compiler on first use and cached under
 `~/.cache/phasesplit/kernels/`, keyed by the sources and flags, so later starts only load the
@@ -60,6 +61,9 @@ QUANT = Spec("phasesplit_quant", (Path(__file__).with_name("quant_gemm.c"),), ()
 # bf16 weights with fp32 activations where AVX512-BF16 is missing (cpu_gemm_avx2.py): AVX2 + FMA.
 BF16W = Spec("phasesplit_bf16w", (Path(__file__).with_name("gemm_bf16w_avx2.c"),), (),
              ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"), ("avx2", "fma"))
+# Beside it, the fp32 norm, RoPE + K/V write and decode attention of a layer (cpu_layer_f32.py).
+LAYER_F32 = Spec("phasesplit_layer_f32", (Path(__file__).with_name("layer_f32_avx2.c"),), (), BF16W.flags,
+                 BF16W.cpu_flags)
 
 
 class KernelUnavailable(RuntimeError):
@@ -158,6 +162,15 @@ def bf16w_library() -> ctypes.CDLL | None:
     return _checked(BF16W, cpu_gemm_avx2, "bf16-weight AVX2 kernel")
 
 
+@cache
+def layer_f32_library() -> ctypes.CDLL | None:
+    """The fp32 RMSNorm, RoPE + K/V write and decode attention for AVX2 CPUs (cpu_layer_f32.py),
+    or None where they cannot be used here (the reason is logged once; torch's ops then run)."""
+    from phasesplit.runtime.kernels import cpu_layer_f32
+
+    return _checked(LAYER_F32, cpu_layer_f32, "fp32 layer kernels for AVX2")
+
+
 def _checked(spec: Spec, kernel, what: str) -> ctypes.CDLL | None:
     """A one-kernel library opened, declared and checked against torch; None (logged) if not usable."""
     try:
@@ -214,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no C compiler (cc, gcc or clang) on PATH", flush=True)
         return 1
     try:
-        for spec in (BF16, QUANT, BF16W):
+        for spec in (BF16, QUANT, BF16W, LAYER_F32):
             print(build(cc, args.dir, spec))
     except KernelUnavailable as e:
         print(e)

@@ -62,8 +62,9 @@ def prefill_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
 
 def decode(fn: ctypes._CFuncPtr, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            tables: torch.Tensor, lens: torch.Tensor, max_len: int, block_size: int) -> torch.Tensor:
-    """q [n, heads, dim] bf16 (rows may be strided); caches [slots, kv_heads, dim]; tables
-    [n, max_blocks] int64; lens [n] int64 (context incl. the new token). Returns [n, heads, dim]."""
+    """q [n, heads, dim] bf16, or fp32 for ps_decode_attention_f32 (rows may be strided); caches
+    [slots, kv_heads, dim]; tables [n, max_blocks] int64; lens [n] int64 (context incl. the new
+    token). Returns [n, heads, dim]."""
     n, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     if q.stride(2) != 1 or q.stride(1) != dim:

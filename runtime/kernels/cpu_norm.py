@@ -16,11 +16,12 @@ def declare(lib: ctypes.CDLL) -> None:
 
 
 def rms_norm(fn: ctypes._CFuncPtr, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [M, K] bf16 (K a multiple of 16), weight [K] bf16."""
+    """x [M, K] bf16 (K a multiple of 16), weight [K] bf16; or both fp32 with the fp32 kernel
+    (cpu_layer_f32; K a multiple of 8)."""
     x = x.contiguous()
     out = torch.empty_like(x)
     if fn(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads()):
-        raise KernelUnavailable(f"rms_norm rejected a row of {x.shape[1]} (not a multiple of 16)")
+        raise KernelUnavailable(f"rms_norm rejected a row of {x.shape[1]} (not a multiple of its vector width)")
     return out
 
 

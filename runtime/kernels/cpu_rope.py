@@ -17,12 +17,12 @@ def declare(lib: ctypes.CDLL) -> None:
 
 def rope_and_write(fn: ctypes._CFuncPtr, qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor,
                    sin: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """qkv [M, heads + 2*kv_heads, dim] bf16 contiguous, rotated in place; cos/sin [M, dim/2] fp32;
-    the rotated K and the V of row i go to cache slot slots[i]."""
+    """qkv [M, heads + 2*kv_heads, dim] bf16 (fp32 for ps_rope_write_f32) contiguous, rotated in
+    place; cos/sin [M, dim/2] fp32; the rotated K and the V of row i go to cache slot slots[i]."""
     m, _, dim = qkv.shape
     if fn(qkv.data_ptr(), m, heads, kv_heads, dim, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
           k_cache.data_ptr(), v_cache.data_ptr(), torch.get_num_threads()):
-        raise KernelUnavailable(f"rope rejected head size {dim} (not a multiple of 32)")
+        raise KernelUnavailable(f"rope rejected head size {dim} (not a multiple of twice its vector width)")
 
 
 def self_check(lib: ctypes.CDLL) -> None:

@@ -114,7 +114,7 @@ def paged_attention(
 
 def _decode(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, gqa: bool) -> torch.Tensor:
     if meta.decode_gather is None:  # built for the CPU kernel (build_metadata's paged_kernel)
-        return cpu_attention.decode(_kernel().ps_decode_attention_bf16, q, cache.k, cache.v, meta.decode_tables,
+        return cpu_attention.decode(_decode_kernel(q.dtype), q, cache.k, cache.v, meta.decode_tables,
                                     meta.decode_lens, meta.decode_max_len, meta.block_size)
     ks, vs = cache.read(meta.decode_gather)  # [n, ctx, kv_heads, dim]
     if q.device.type == "cpu" and cache.k.shape[1] <= BLOCK_DIAGONAL_MAX_KV_HEADS:
@@ -207,16 +207,22 @@ def _select_rows(rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -
     return picked.view(*slots.shape, *cache.shape[1:])
 
 
-def _kernel():
-    lib = build.library()
+def _decode_kernel(dtype: torch.dtype):
+    lib = build.library() if dtype == torch.bfloat16 else build.layer_f32_library()
     if lib is None:
         raise RuntimeError("metadata was built for the CPU attention kernel, which is not available")
-    return lib
+    return lib.ps_decode_attention_bf16 if dtype == torch.bfloat16 else lib.ps_decode_attention_f32
 
 
-def kernel_decode_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether decode attention can use the CPU kernel (bf16 on a CPU it was built for)."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and build.library() is not None
+def kernel_decode_available(device: torch.device, dtype: torch.dtype, f32_kernels: bool = False) -> bool:
+    """Whether decode attention can use a CPU kernel: bf16 on a CPU the bf16 kernels were built
+    for; fp32 where the model runs the AVX2 fp32 layer kernels (`f32_kernels`: dtype auto beside
+    bf16 weights; --dtype float32 keeps torch's attention, the reference)."""
+    if device.type != "cpu":
+        return False
+    if dtype == torch.float32:
+        return f32_kernels and build.layer_f32_library() is not None
+    return dtype == torch.bfloat16 and build.library() is not None
 
 
 DECODE_WIDTH_STEP = 32

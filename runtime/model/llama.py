@@ -205,16 +205,17 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache,
                 meta: AttentionMetadata, rope_kernel=None,
-                all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-        """`rope_kernel` (the CPU kernel library): cos/sin are float32 [tokens, head_dim/2] and one
-        C call rotates Q and K in place and writes K/V to the cache; else torch does both.
+                all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, norm_kernel=None) -> torch.Tensor:
+        """`rope_kernel` (a CPU kernel, ps_rope_write_bf16 or _f32 for x's dtype): cos/sin are
+        float32 [tokens, head_dim/2] and one C call rotates Q and K in place and writes K/V to the
+        cache; else torch does both. `norm_kernel`: the fp32 RMSNorm kernel (see `rms_norm`).
         `all_reduce` (tensor parallel): sums the ranks' partial o_proj and down products."""
-        h = rms_norm(x, self.attn_norm, self.eps)
+        h = rms_norm(x, self.attn_norm, self.eps, norm_kernel)
         t = x.shape[0]
         qkv = self.qkv(h).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         nq, nkv = self.num_heads, self.num_kv_heads
         if rope_kernel is not None:
-            cpu_rope.rope_and_write(rope_kernel.ps_rope_write_bf16, qkv, nq, nkv, cos, sin, meta.slot_mapping,
+            cpu_rope.rope_and_write(rope_kernel, qkv, nq, nkv, cos, sin, meta.slot_mapping,
                                     cache.k, cache.v)
             q, k, v = qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :]
             attn = paged_attention(q, k, v, cache, meta, written=True)
@@ -225,24 +226,27 @@ class DecoderLayer(nn.Module):
             attn = paged_attention(q, k, v, cache, meta)
         if all_reduce is not None:  # the residual is added once, after the ranks' sum
             x = x + all_reduce(self.o_proj(attn.reshape(t, self.q_size)))
-            h = rms_norm(x, self.mlp_norm, self.eps)
+            h = rms_norm(x, self.mlp_norm, self.eps, norm_kernel)
             return x + all_reduce(self.down(self.gate_up.swiglu(h)))
         # Each residual add is folded into its projection: one op and one pass fewer.
         x = self.o_proj(attn.reshape(t, self.q_size), residual=x)
-        h = rms_norm(x, self.mlp_norm, self.eps)
+        h = rms_norm(x, self.mlp_norm, self.eps, norm_kernel)
         return self.down(self.gate_up.swiglu(h), residual=x)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, f32_kernel=None) -> torch.Tensor:
     """RMSNorm; the sum of squares is accumulated in float32 for every dtype.
 
     For bf16/fp16 inputs F.rms_norm upcasts the whole activation and runs ~10 ops over it:
     measured 5.6 ms for a 2048-token prefill chunk here against 0.33 ms for this (one float32
     reduction, then two multiplies in the input's dtype), the same rounding class as Hugging
     Face's module. bf16 on a CPU with the kernels: one C call (cpu_norm). float32 keeps
-    F.rms_norm, which is exactly Hugging Face's arithmetic.
+    F.rms_norm, which is exactly Hugging Face's arithmetic, unless `f32_kernel` (the AVX2 fp32
+    kernel, cpu_layer_f32: the same arithmetic in one call; dtype auto on such CPUs) is given.
     """
     if x.dtype == torch.float32:
+        if f32_kernel is not None and x.dim() == 2 and x.shape[1] % 8 == 0 and x.device.type == "cpu":
+            return cpu_norm.rms_norm(f32_kernel, x, weight, eps)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.shape[1] % 16 == 0:
         lib = build.library()
@@ -271,6 +275,8 @@ class LlamaModel(nn.Module):
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size))
         self.lm_head = None if cfg.tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.tied_head: Linear | None = None  # a re-laid copy of the embedding (pack_for_cpu)
+        # fp32 norm/RoPE/decode-attention kernels for AVX2 CPUs, used beside bf16 weights (pack_for_cpu)
+        self.layer_f32 = None
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self._caches: tuple[torch.Tensor, list[LayerCache]] | None = None
 
@@ -299,6 +305,8 @@ class LlamaModel(nn.Module):
         """
         x = self.embed(input_ids)
         rope_kernel = self._rope_kernel(x, kv_cache)
+        f32 = self.layer_f32 is not None and x.dtype == torch.float32
+        norm_kernel = self.layer_f32.ps_rms_norm_f32 if f32 else None
         if rope_kernel is not None:
             freqs = positions.float()[:, None] * self.inv_freq[None, :]
             cos, sin = freqs.cos(), freqs.sin()
@@ -307,21 +315,26 @@ class LlamaModel(nn.Module):
         if self._caches is None or self._caches[0] is not kv_cache:
             self._caches = (kv_cache, layer_caches(kv_cache))
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, self._caches[1][i], meta, rope_kernel, self.all_reduce)
+            x = layer(x, cos, sin, self._caches[1][i], meta, rope_kernel, self.all_reduce, norm_kernel)
             if after_layer is not None:
                 after_layer(i)
         if logits_index is None:
             return None
-        x = rms_norm(x[logits_index], self.norm, self.cfg.rms_eps)
+        x = rms_norm(x[logits_index], self.norm, self.cfg.rms_eps, norm_kernel)
         head = self.lm_head or self.tied_head
         logits = F.linear(x, self.embed.weight) if head is None else head(x, out_dtype=torch.float32)
         return logits.float()
 
     def _rope_kernel(self, x: torch.Tensor, kv_cache: torch.Tensor):
-        if (x.device.type != "cpu" or x.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16
-                or self.cfg.head_dim % 32):
+        """The CPU kernel that rotates Q/K and writes the cache for this dtype, or None (torch)."""
+        if x.device.type != "cpu" or kv_cache.dtype != x.dtype:
             return None
-        return build.library()
+        if x.dtype == torch.float32 and self.layer_f32 is not None and self.cfg.head_dim % 16 == 0:
+            return self.layer_f32.ps_rope_write_f32
+        if x.dtype != torch.bfloat16 or self.cfg.head_dim % 32:
+            return None
+        lib = build.library()
+        return None if lib is None else lib.ps_rope_write_bf16
 
     def pack_for_cpu(self, bf16_weights: bool = False) -> dict[str, int]:
         """Re-lay every projection for the CPU matmul (see Linear.pack_for_cpu; `bf16_weights`:
@@ -343,6 +356,8 @@ class LlamaModel(nn.Module):
             if layout in ("cpu_gemm", "bf16w_avx2"):
                 self.tied_head = head
                 counts[layout] += 1
+        if counts["bf16w_avx2"]:  # the rest of a layer in fp32 kernels too (None: torch's ops)
+            self.layer_f32 = build.layer_f32_library()
         self._tiled_on_huge_pages()
         return dict(counts)
 

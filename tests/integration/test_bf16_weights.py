@@ -1,6 +1,6 @@
 """dtype auto on an AVX2 CPU without AVX512-BF16: fp32 activations with the projections' weights
-kept in bf16 (cpu_gemm_avx2) give float32's greedy tokens on the 8 prompts of the quantized test,
-or a first divergence explained by a logit tie (tests/greedy.py's rule, margins printed)."""
+kept in bf16 (cpu_gemm_avx2) and the rest of each layer in fp32 kernels (cpu_layer_f32) give
+float32's greedy tokens on the 8 prompts of the quantized test, or a first divergence explained by a logit tie (tests/greedy.py's rule, margins printed)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,8 @@ def test_auto_keeps_every_projection_in_bf16(auto_engine: LLMEngine) -> None:
     assert all(m is not None and m._bf16w and m.tiled.dtype == torch.bfloat16 and m.weight.numel() == 0
                for m in linears)
     assert model.embed.weight.dtype == torch.float32 and auto_engine.runner.kv_cache.dtype == torch.float32
+    # and the rest of each layer in the fp32 AVX2 kernels (same CPU flags and compiler)
+    assert model.layer_f32 is not None and auto_engine.runner.paged_kernel
 
 
 def test_auto_greedy_matches_float32(auto_engine: LLMEngine) -> None:
@@ -48,5 +50,7 @@ def test_auto_greedy_matches_float32(auto_engine: LLMEngine) -> None:
     from phasesplit.runtime.model.tokenizer import TextTokenizer
 
     prompts = all_prompt_ids(TextTokenizer(resolve("smollm2").folder))[:PROMPTS]
-    ref = greedy_with_top2(_engine("float32"), prompts, NEW_TOKENS)
+    reference = _engine("float32")
+    assert reference.runner.model.layer_f32 is None and not reference.runner.paged_kernel, "float32 is torch's ops"
+    ref = greedy_with_top2(reference, prompts, NEW_TOKENS)
     compare("bf16 weights", ref, greedy_with_top2(auto_engine, prompts, NEW_TOKENS), NEW_TOKENS, MAX_MARGIN_MOVE)
