@@ -140,7 +140,7 @@ def library() -> ctypes.CDLL | None:
     try:
         return _load()
     except (KernelUnavailable, OSError, subprocess.SubprocessError) as e:
-        log.info("CPU kernels not used: %s", e)
+        log.info("bf16 CPU kernels (AVX512-BF16) not used: %s", e)
         return None
 
 
