@@ -11,9 +11,10 @@ So a window in which more than `allowed` of the requests (half the SLO's budget)
 nothing else to explain it asks for one replica more than served it, once such windows recur
 (two within `recur_s`: one is noise). The planner decides what explains a miss: a queue left at
 the window's end or just drained, KV short now or within a reaction time, ITL misses, a rate
-burst or rise under way, a pool loaded beyond `PlannerConfig.clump_load` (queueing there is the
-model's to size), or a TTFT tail beyond what the window's whole prompt work arriving at once
-could cause (waits of another kind). That replica is kept while such windows keep coming; once
+burst or rise under way, a load at which the queueing model gives more than
+`PlannerConfig.clump_queue` of the TTFT budget above service time to waiting (misses there are
+queueing, the model's to size), or a TTFT tail beyond what the window's whole prompt work
+arriving at once could cause (waits of another kind). That replica is kept while such windows keep coming; once
 `step_s` passes without one, one replica less is held, and so on down (a slow probe: the memory
 cannot see that fewer replicas would do until a clump arrives with fewer). Pure: time is passed in.
 """

@@ -10,7 +10,7 @@ from phasesplit.operator.planner.behavior import HPA_BEHAVIOR, PhaseLimiter, app
 from phasesplit.operator.planner.bursts import BurstMemory
 from phasesplit.operator.planner.clumps import ClumpMemory
 from phasesplit.operator.planner.model import DecodeProfile, PerfModel, PrefillProfile
-from phasesplit.operator.planner.queueing import replicas_for_ttft, service_quantile
+from phasesplit.operator.planner.queueing import replicas_for_ttft, service_quantile, ttft_quantile
 from phasesplit.operator.planner.sizes import RequestSizes
 from phasesplit.operator.planner.snapshot import MetricsSnapshot
 from phasesplit.operator.planner.trend import RateTrend
@@ -50,9 +50,10 @@ class PlannerConfig:
     burst_decay: float = 1.5  # burst headroom is kept this many longest inter-burst gaps after the last
     burst_first_hold_s: float = 900.0  # ... or this long after a first burst (no gap learned yet)
     max_surge: float = 3.0
-    # Clumps of long prompts (clumps.py): TTFT misses on a prefill pool loaded at most this much
-    # are not Poisson queueing; the replica they buy steps down one per clump_step_s without one.
-    clump_load: float = 0.6
+    # Clumps of long prompts (clumps.py): TTFT misses where the queueing model gives at most this
+    # share of the budget above service time to waiting are not queueing; the replica they buy
+    # steps down one per clump_step_s without one.
+    clump_queue: float = 0.1
     clump_step_s: float = 300.0
     # Scale to zero: a phase whose min_replicas is 0 goes to zero after this long with nothing
     # arriving, held, queued or running (None: never to zero, min 0 means 1).
@@ -432,15 +433,15 @@ class Planner:
         if decode_bound:
             self.kv_short_at = now
         kv_past = self.kv_short_at is not None and now - self.kv_short_at <= self.bursts.reaction_s
-        # Requests that missed on a lightly loaded pool with no queue, KV shortage, rate burst or
-        # rise to explain it: clumps of long prompts at an ordinary rate (clumps.py). While they
+        # Requests that missed where the model sees almost no queueing, with no queue, KV shortage,
+        # rate burst or rise to explain it: clumps of long prompts at an ordinary rate (clumps.py). While they
         # keep spending the SLO's budget, one replica more than served them is kept. A window of
         # a few requests says nothing (the last two of a drained backlog would buy a replica).
         served = snap.request_rate * snap.window_s
         serving = max(snap.ready_prefill or current["prefill"], 1)
         load = (snap.prompt_token_rate or 0.0) / (serving * self.model.prefill.tokens_per_s)
         unexplained = (snap.ttft_attainment is not None and served >= self.model.min_requests
-                       and load <= cfg.clump_load
+                       and self._queue_share(snap, serving, floor) <= cfg.clump_queue
                        # (a clump is at most the window's prompts arriving at once: its last first
                        # token comes within the window's work on the pool; a TTFT tail far beyond
                        # that is waits of another kind, already past)
@@ -494,6 +495,17 @@ class Planner:
             decode=PhaseDecision(current["decode"], *out["decode"]),
             stale=False, predicted_ttft_s=ttft_pred, predicted_itl_s=itl_pred,
             conditions=tuple(conditions))
+
+    def _queue_share(self, snap: MetricsSnapshot, serving: int, floor: float) -> float:
+        """The share of the TTFT budget above a long prompt's own service time that the queueing
+        model gives to waiting, at this window's rate on the replicas that served it."""
+        cfg, prof = self.config, self.model.prefill
+        isl = snap.mean_prompt_tokens
+        if not isl or not snap.request_rate or cfg.ttft_s <= floor:
+            return math.inf
+        t = ttft_quantile(serving, snap.request_rate, isl, prof.tokens_per_s, prof.overhead_s,
+                          self.model.scv(cfg.prompt_scv), cfg.percentile)
+        return max(t - floor, 0.0) / (cfg.ttft_s - floor)
 
     def _drain_prefill(self, snap: MetricsSnapshot, rate: float, current: int) -> tuple[int, str]:
         """Prefill replicas that drain the queue a new replica would still find when it is up.

@@ -874,6 +874,7 @@ def test_clumps_of_long_prompts_at_an_ordinary_rate_keep_a_prefill_replica():
     assert d.prefill.desired <= 6 and "clumps" not in d.prefill.reason, d.prefill.reason
     d = after_three_windows(8.0, (0.98, 1.0, 0.98))  # within half the SLO's budget
     assert d.prefill.desired <= 6, d.prefill.reason
-    # On a pool loaded at 0.74 the same misses are queueing, the model's to size: no clumps.
+    # On a pool loaded at 0.74 the model gives waiting a good share of the budget: the same
+    # misses are queueing, the model's to size, not clumps.
     d = after_three_windows(40.0, (0.95, 1.0, 0.95))
     assert "clumps" not in d.prefill.reason, d.prefill.reason
