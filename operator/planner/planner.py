@@ -440,15 +440,17 @@ class Planner:
         served = snap.request_rate * snap.window_s
         serving = max(snap.ready_prefill or current["prefill"], 1)
         load = (snap.prompt_token_rate or 0.0) / (serving * self.model.prefill.tokens_per_s)
-        unexplained = (snap.ttft_attainment is not None and served >= self.model.min_requests
-                       and self._queue_share(snap, serving, floor) <= cfg.clump_queue
+        unexplained = (snap.ttft_attainment is not None and snap.ttft_attainment < 1.0
+                       and served >= self.model.min_requests
                        # (a clump is at most the window's prompts arriving at once: its last first
                        # token comes within the window's work on the pool; a TTFT tail far beyond
                        # that is waits of another kind, already past)
                        and (snap.ttft_p is None or snap.ttft_p <= max(cfg.ttft_s, floor + load * snap.window_s))
                        and cfg.ttft_s - floor > 0.2 * cfg.ttft_s and not prefill_backlog and not prefill_recovered
                        and not kv_past and not (snap.decode_waiting or 0) > 0
-                       and not (snap.itl_p is not None and snap.itl_p > cfg.itl_s) and not rising and not trend_note)
+                       and not (snap.itl_p is not None and snap.itl_p > cfg.itl_s) and not rising and not trend_note
+                       # last: the one test that integrates the queueing model
+                       and self._queue_share(snap, serving, floor) <= cfg.clump_queue)
         missed = served * (1 - snap.ttft_attainment) if unexplained else 0.0
         self.clumps.observe(now, served, missed, serving)
         held = self.clumps.floor()
