@@ -389,6 +389,11 @@ class Planner:
         prefill_recovered = self.prefill_backlog_before and not prefill_backlog
         self.prefill_backlog_before = prefill_backlog
         missed_before, self.missed_before = self.missed_before, snap.ttft_p is not None and snap.ttft_p > cfg.ttft_s
+        # Requests that waited for KV get their first tokens (late) for a while after the cache
+        # frees up: for a reaction time after a KV shortage, misses are its past.
+        if decode_bound:
+            self.kv_short_at = now
+        kv_past = self.kv_short_at is not None and now - self.kv_short_at <= self.bursts.reaction_s
         if (snap.ttft_p is not None and snap.ttft_p > cfg.ttft_s and cfg.ttft_s - floor > 0.2 * cfg.ttft_s
                 and not (decode_recovered and not prefill_backlog)):
             factor = min((snap.ttft_p - floor) / (cfg.ttft_s - floor), cfg.max_miss_factor)
@@ -407,11 +412,14 @@ class Planner:
                 want, why = self._drain_prefill(snap, plan_rate, current["prefill"])
                 if want > rec_p:
                     rec_p, why_p, urgent["prefill"] = want, f"{miss}; {why}", True
-            elif not decode_bound and not (snap.decode_waiting or 0) > 0 and not carried and not prefill_recovered:
+            elif (not decode_bound and not kv_past and not (snap.decode_waiting or 0) > 0 and not carried
+                  and not prefill_recovered):
                 # No queue explains the miss: the model is off (a prior far from the truth, not yet
                 # calibrated). Trust the observation, in proportion to it. Not while a remembered
                 # burst's peak is already carried by the replicas serving: that miss is the burst's
                 # brief queue at its rise, which the held capacity drains by itself.
+                # Nor within a reaction time of a KV shortage (kv_past): its waiters are still
+                # getting their first tokens, late, from prefill replicas with no queue.
                 serving = snap.ready_prefill or current["prefill"]
                 want = math.ceil(serving * factor)
                 how = f"×{factor:.2f}"
@@ -428,11 +436,6 @@ class Planner:
                     rec_p, why_p, urgent["prefill"] = want, f"{miss}: {how}", True
             # Requests waiting on a decode worker whose queue is stranded there (KV not short
             # overall) explain the miss too; no replica added now would serve them sooner.
-        # Requests that waited for KV get their first tokens (late) for a while after the cache
-        # frees up: for a reaction time after a KV shortage, misses are its past.
-        if decode_bound:
-            self.kv_short_at = now
-        kv_past = self.kv_short_at is not None and now - self.kv_short_at <= self.bursts.reaction_s
         # Requests that missed where the model sees almost no queueing, with no queue, KV shortage,
         # rate burst or rise to explain it: clumps of long prompts at an ordinary rate (clumps.py). While they
         # keep spending the SLO's budget, one replica more than served them is kept. A window of

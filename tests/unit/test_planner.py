@@ -213,6 +213,29 @@ def test_ttft_miss_with_full_kv_scales_decode():
     assert d.decode.recommended == 4
 
 
+def test_late_first_tokens_after_a_kv_shortage_are_not_prefills_miss():
+    # Decode ran out of KV; the requests that waited for it get their first tokens, late, for a
+    # while after the new decode replicas are up. With no prefill queue those windows' TTFT misses
+    # are the shortage's past (the simulator's shift workload bought a useless prefill replica and
+    # five more minutes of the old count with them); a miss a reaction time later is prefill's.
+    cfg = PlannerConfig(behavior=slow_up(), prefill=PhaseLimits(1, 20), decode=PhaseLimits(1, 20))
+    planner = Planner(cfg, frozen_model())
+    current = {"prefill": 2, "decode": 1}
+    reaction = cfg.startup_s + cfg.interval_s
+    d = planner.plan(snap(0, rate=4.0, ttft_p=6.0, kv_usage=0.97, decode_waiting=80.0, ready_decode=1,
+                          ready_prefill=2), current, 0)
+    assert d.decode.desired > 1 and d.prefill.desired == 2
+    current = d.desired
+    late = dict(rate=4.0, kv_usage=0.4, decode_waiting=0.0, ready_prefill=2)
+    for t in (INTERVAL, 2 * INTERVAL, reaction):
+        d = planner.plan(snap(t, ttft_p=4.0, ready_decode=current["decode"], **late), current, t)
+        assert d.prefill.desired == 2, (t, d.prefill.reason)
+        current = d.desired
+    t = reaction + INTERVAL
+    d = planner.plan(snap(t, ttft_p=4.0, ready_decode=current["decode"], **late), current, t)
+    assert d.prefill.desired > 2, d.prefill.reason
+
+
 def test_requests_stranded_on_one_full_decode_worker_are_not_a_kv_shortage():
     # The router binds requests to a decode worker on arrival: 40 wait on one full worker while
     # the three others are mostly free (mean usage 45 %). New replicas would only take new
