@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Regenerates the "Serving" section of docs/benchmarks.md: installs phasesplit (cached) and the
 # peer engines (hack/bench-peers.sh), makes their model files from the bundled GGUF, then runs
-# tests/bench/compare.py. Takes about half an hour and both cores: run it on an idle machine.
+# tests/bench/compare.py. Takes one to two hours (rate sweeps past each knee, knees repeated) and
+# both cores: run it on an idle machine.
 # Extra args go to compare.py (e.g. --systems split,colocated --quick).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

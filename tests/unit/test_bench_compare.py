@@ -33,3 +33,30 @@ def test_prompts_per_point_are_bounded():
     assert compare.n_prompts(0.1, 1.0) == compare.MIN_PROMPTS
     assert compare.n_prompts(0.5, 1.0) == 15
     assert compare.n_prompts(100.0, 1.0) == compare.MAX_PROMPTS
+
+
+def _pts(*specs):
+    return [compare.PointResult(rate, good, met, cut) for rate, good, met, cut in specs]
+
+
+def test_a_sweep_goes_on_while_goodput_grows_and_stops_past_the_knee():
+    assert not compare.sweep_done([])
+    rising = _pts((0.25, 0.25, 1.0, False), (0.38, 0.37, 1.0, False), (0.56, 0.50, 0.9, False))
+    assert not compare.sweep_done(rising)
+    # Goodput below 0.8x the best so far: past the knee, which is the best point.
+    fallen = rising + _pts((0.84, 0.35, 0.6, False))
+    assert compare.sweep_done(fallen)
+    assert compare.knee(fallen) == 0.56
+    # A cut point or one where most requests miss ends it at once, even early.
+    assert compare.sweep_done(_pts((0.25, 0.25, 1.0, False), (0.38, 0.0, 0.1, True)))
+    assert compare.sweep_done(_pts((0.25, 0.05, 0.2, False)))
+    # A noisy dip within 0.8x does not, and the sweep is bounded.
+    assert not compare.sweep_done(rising + _pts((0.84, 0.45, 0.8, False)))
+    many = _pts(*[(0.1 * 1.5 ** i, 0.1 * 1.5 ** i, 1.0, False) for i in range(compare.MAX_SWEEP)])
+    assert compare.sweep_done(many) and not compare.sweep_done(many[:-1])
+
+
+def test_the_knee_prefers_the_lower_rate_on_a_tie_and_rates_step_geometrically():
+    assert compare.knee([]) is None
+    assert compare.knee(_pts((0.5, 0.4, 1.0, False), (0.75, 0.4, 0.6, False))) == 0.5
+    assert compare.next_rate(0.25) == 0.375 and compare.next_rate(0.375) == 0.562
