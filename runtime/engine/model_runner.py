@@ -16,7 +16,7 @@ from phasesplit.runtime.engine.cuda_graphs import DecodeGraphs
 from phasesplit.runtime.engine.scheduler import ScheduledBatch
 from phasesplit.runtime.engine.sequence import Sequence
 from phasesplit.runtime.engine.tensor_parallel import Ranks, all_reduce, init_group
-from phasesplit.runtime.kernels import hugepages
+from phasesplit.runtime.kernels import cpu_attention, hugepages
 from phasesplit.runtime.model import quantized
 from phasesplit.runtime.model.attention import (
     DECODE_WIDTH_STEP,
@@ -245,7 +245,12 @@ class ModelRunner:
         self.small_step_threads = (1 if self.device.type == "cpu" and self.threads > 1
                                    and os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" else None)
         self._step_threads = self.threads
-        self.paged_kernel = kernel_decode_available(self.device, self.dtype, self.model.layer_f32 is not None)
+        shape = (self.shard.num_heads, self.shard.num_kv_heads, self.cfg.head_dim)
+        self.paged_kernel = kernel_decode_available(self.device, self.dtype, self.model.layer_f32 is not None, shape)
+        if not self.paged_kernel and kernel_decode_available(self.device, self.dtype, self.model.layer_f32 is not None):
+            log.info("decode attention: torch's (the CPU kernel takes head sizes up to %d and up to %d query heads "
+                     "per KV head; this model has %d and %d)", cpu_attention.MAX_HEAD_DIM, cpu_attention.MAX_GROUP,
+                     self.cfg.head_dim, self.shard.num_heads // max(self.shard.num_kv_heads, 1))
         # The batch rule was measured with the bf16 kernels; the AVX2 fp32 path keeps the torch rule.
         self.small_decode_batch = (KERNEL_SMALL_DECODE_BATCH if self.paged_kernel and self.dtype == torch.bfloat16
                                    else SMALL_DECODE_BATCH)

@@ -60,6 +60,26 @@ def prefill_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     return o[0].transpose(0, 1)
 
 
+# The decode kernels' limits (MAX_DIM and MAX_GROUP in decode_attention_bf16.c and
+# layer_f32_avx2.c; the head size a whole number of vectors: 16 bf16 lanes, 8 fp32 lanes). A
+# model beyond them decodes with torch's attention instead of failing at its first decode.
+MAX_HEAD_DIM = 256
+MAX_GROUP = 16
+
+
+def prefill_fits(head_dim: int) -> bool:
+    """Whether the bf16 prefill kernel takes this head size (prefill_attention_bf16.c: whole
+    32-element pairs of vectors); other sizes go through torch's SDPA."""
+    return head_dim > 0 and head_dim % 32 == 0
+
+
+def decode_fits(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the decode kernel for `dtype` takes this attention shape (per rank under TP)."""
+    lanes = 16 if dtype == torch.bfloat16 else 8
+    return (kv_heads >= 1 and heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP
+            and head_dim % lanes == 0 and 0 < head_dim <= MAX_HEAD_DIM)
+
+
 def decode(fn: ctypes._CFuncPtr, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            tables: torch.Tensor, lens: torch.Tensor, max_len: int, block_size: int) -> torch.Tensor:
     """q [n, heads, dim] bf16, or fp32 for ps_decode_attention_f32 (rows may be strided); caches

@@ -89,7 +89,8 @@ def paged_attention(
     out = torch.empty_like(q)
     if meta.num_decode:
         out[: meta.num_decode] = _decode(q[: meta.num_decode], cache, meta, gqa)
-    lib = build.library() if q.device.type == "cpu" and q.dtype == torch.bfloat16 else None
+    lib = (build.library() if q.device.type == "cpu" and q.dtype == torch.bfloat16
+           and cpu_attention.prefill_fits(q.shape[2]) else None)
     for seg in meta.prefills:
         sl = slice(seg.start, seg.start + seg.length)
         if seg.gather is None:
@@ -214,11 +215,15 @@ def _decode_kernel(dtype: torch.dtype):
     return lib.ps_decode_attention_bf16 if dtype == torch.bfloat16 else lib.ps_decode_attention_f32
 
 
-def kernel_decode_available(device: torch.device, dtype: torch.dtype, f32_kernels: bool = False) -> bool:
+def kernel_decode_available(device: torch.device, dtype: torch.dtype, f32_kernels: bool = False,
+                            shape: tuple[int, int, int] | None = None) -> bool:
     """Whether decode attention can use a CPU kernel: bf16 on a CPU the bf16 kernels were built
     for; fp32 where the model runs the AVX2 fp32 layer kernels (`f32_kernels`: dtype auto beside
-    bf16 weights; --dtype float32 keeps torch's attention, the reference)."""
+    bf16 weights; --dtype float32 keeps torch's attention, the reference). `shape` (query heads,
+    KV heads, head size; per rank) must be one the kernel takes (cpu_attention.decode_fits)."""
     if device.type != "cpu":
+        return False
+    if shape is not None and not cpu_attention.decode_fits(*shape, dtype):
         return False
     if dtype == torch.float32:
         return f32_kernels and build.layer_f32_library() is not None

@@ -157,3 +157,25 @@ def test_paged_attention_takes_the_fp32_kernel_only_when_asked() -> None:
         caches.append(cache)
     torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-5)
     assert torch.equal(caches[0], caches[1])
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [
+    (16, 1, 64), (17, 1, 64), (32, 2, 64), (34, 2, 64),  # query heads per KV head: 16 fits, 17 does not
+    (4, 1, 256), (4, 1, 264), (4, 1, 8), (4, 1, 12), (6, 4, 64)])
+def test_decode_fits_says_exactly_which_shapes_the_kernel_takes(heads: int, kv_heads: int, dim: int) -> None:
+    """The model runner picks the kernel only for shapes it takes (a model beyond them decodes with
+    torch's attention instead of failing at its first decode): the Python limits must be the C ones."""
+    lib = _lib()
+    fits = cpu_attention.decode_fits(heads, kv_heads, dim, torch.float32)
+    bs, cpu = 16, torch.device("cpu")
+    k_cache, v_cache = torch.randn(2 * bs, kv_heads, dim), torch.randn(2 * bs, kv_heads, dim)
+    tables, lens = torch.tensor([[1, 0]]), torch.tensor([20])
+    q = torch.randn(1, heads, dim)
+    if fits:
+        got = cpu_attention.decode(lib.ps_decode_attention_f32, q, k_cache, v_cache, tables, lens, 20, bs)
+        torch.testing.assert_close(got, cpu_attention.reference(q, k_cache, v_cache, tables, lens, bs),
+                                   rtol=1e-4, atol=1e-5)
+    else:
+        with pytest.raises(cpu_attention.KernelUnavailable):
+            cpu_attention.decode(lib.ps_decode_attention_f32, q, k_cache, v_cache, tables, lens, 20, bs)
+    assert kernel_decode_available(cpu, torch.float32, True, (heads, kv_heads, dim)) == fits
