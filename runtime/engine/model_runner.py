@@ -192,6 +192,8 @@ class ModelRunner:
         # norms and the KV cache stay fp32). --dtype float32 keeps fp32 weights, the reference.
         layouts = model.pack_for_cpu(bf16_weights=rc.dtype == "auto" and self.device.type == "cpu"
                                      and self.dtype == torch.float32)
+        # "cpu/float32" below names the activations and KV cache; say when the weights are not.
+        weights_note = " (bf16 weights)" if layouts.get("bf16w_avx2") else ""
         if set(layouts) != {"plain"}:
             log.info("weight layouts for the CPU matmul: %s",
                      ", ".join(f"{n} {name}" for name, n in sorted(layouts.items())))
@@ -259,8 +261,8 @@ class ModelRunner:
             self.ranks.wait_ready()
         tp = "" if self.tp_size == 1 else (f" (tensor-parallel rank {self.rank} of {self.tp_size}: query heads "
                                            f"{self.shard.heads}, KV heads {self.shard.kv_heads}, MLP {self.shard.ffn})")
-        log.info("model loaded on %s/%s in %.2fs%s; KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
-                 self.device, str(self.dtype).removeprefix("torch."), time.perf_counter() - t0, tp,
+        log.info("model loaded on %s/%s%s in %.2fs%s; KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
+                 self.device, str(self.dtype).removeprefix("torch."), weights_note, time.perf_counter() - t0, tp,
                  self.num_blocks, self.block_size, self.num_blocks * self.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
 
