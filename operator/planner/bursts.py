@@ -88,7 +88,7 @@ class BurstMemory:
             self.rates.popleft()
         while self.bursts and (self.bursts[0].end or now) < now - self.memory_s:
             self.bursts.pop(0)
-        cur = self.bursts[-1] if self.bursts and self.bursts[-1].end is None else None
+        cur = self.bursts[-1] if self.in_burst() else None
         if cur is not None:
             cur.peak = max(cur.peak, smooth)
             cur.trace.append((now, smooth))
@@ -104,6 +104,10 @@ class BurstMemory:
         low_t, low = min(self.rates, key=lambda x: (x[1], -x[0]))
         if low_t < now and low > 0 and smooth - self.noise(low) > low * (1 + self.min_jump):
             self.bursts.append(Burst(start=low_t, base=low, peak=smooth, trace=[(now, smooth)]))
+
+    def in_burst(self) -> bool:
+        """Whether a burst is open (risen and not yet ended)."""
+        return bool(self.bursts) and self.bursts[-1].end is None
 
     def level(self) -> float | None:
         """The highest level the ended bursts in memory held (None: none has ended)."""

@@ -291,7 +291,7 @@ class Planner:
         self.trend.observe(now, snap.request_rate)
         line = self.trend.rise(now, self.bursts.reaction_s)
         trend_note = ""
-        if line is not None and line[1] > plan_rate and not (self.bursts.bursts and self.bursts.bursts[-1].end is None):
+        if line is not None and line[1] > plan_rate and not self.bursts.in_burst():
             slope, plan_rate = line
             trend_note = (f" (rising {slope * 60:.1f} req/s per min: sized for {plan_rate:.1f} req/s "
                           f"{self.bursts.reaction_s:.0f}s ahead)")
