@@ -356,7 +356,10 @@ class LlamaModel(nn.Module):
             if layout in ("cpu_gemm", "bf16w_avx2"):
                 self.tied_head = head
                 counts[layout] += 1
-        if counts["bf16w_avx2"]:  # the rest of a layer in fp32 kernels too (None: torch's ops)
+        if bf16_weights:
+            # dtype auto on a CPU without native bf16 (fp32 activations): the rest of a layer in fp32
+            # kernels too, whether the projections are bf16 or served from GGUF blocks (None: torch's
+            # ops, as with --dtype float32, the reference).
             self.layer_f32 = build.layer_f32_library()
         self._tiled_on_huge_pages()
         return dict(counts)

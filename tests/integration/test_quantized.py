@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from phasesplit.runtime.engine.engine import EngineConfig, LLMEngine
 from phasesplit.runtime.engine.model_runner import RunnerConfig
@@ -65,6 +66,26 @@ def test_native_greedy_matches_dequantized(kind: str, prompts: list[list[int]]) 
     # The bundled Q4_1 file's head is its Q8_0 token embedding (tied).
     assert served_formats(native) == ({"q8_0"} if kind == "q8_0" else {"q4_1", "q8_0"})
     compare(kind, ref, greedy_with_top2(native, prompts, NEW_TOKENS), NEW_TOKENS, MAX_MARGIN_MOVE)
+
+
+def test_native_with_dtype_auto_runs_the_fp32_layer_kernels(prompts: list[list[int]]) -> None:
+    """dtype auto on an AVX2 CPU without native bf16 (fp32 activations): the GGUF blocks stay
+    the projections' weights and the rest of each layer (RMSNorm, RoPE + K/V write, decode
+    attention) runs in the fp32 AVX2 kernels, as beside bf16 weights; --dtype float32 keeps
+    torch's ops. Same weights, so the same greedy tokens up to the tie rule."""
+    ref_engine = engine(q8_0_copy(), "q8_0")
+    assert ref_engine.runner.model.layer_f32 is None and not ref_engine.runner.paged_kernel
+    ref = greedy_with_top2(ref_engine, prompts, NEW_TOKENS)
+    del ref_engine
+    auto = LLMEngine(str(q8_0_copy()), EngineConfig(runner=RunnerConfig(kv_cache_memory=64 << 20,
+                                                                        quantization="q8_0")))
+    if auto.runner.dtype != torch.float32:
+        pytest.skip(f"dtype auto is {auto.runner.dtype} on this CPU (native bf16): the fp32 layer kernels are not used")
+    if build.layer_f32_library() is None:
+        pytest.skip("the fp32 AVX2 layer kernels cannot run here (no AVX2/FMA or no C compiler)")
+    assert served_formats(auto) == {"q8_0"}
+    assert auto.runner.model.layer_f32 is not None and auto.runner.paged_kernel
+    compare("q8_0 auto", ref, greedy_with_top2(auto, prompts, NEW_TOKENS), NEW_TOKENS, MAX_MARGIN_MOVE)
 
 
 def perplexity(eng: LLMEngine, ids: list[int]) -> float:
