@@ -280,7 +280,9 @@ class ModelRunner:
         if lib is None:
             return 0
         try:
-            n = cpu_gemm_avx2.start_helpers(lib, self.threads - 1)
+            # Pinned away from this thread's CPU: measured beside a busy process here, unpinned
+            # helpers were woken onto the caller's CPU and slowed the step (docs/benchmarks.md).
+            n = cpu_gemm_avx2.start_helpers(lib, self.threads - 1, pin=True)
         except build.KernelUnavailable as e:
             log.warning("decode helpers not used: %s", e)
             return 0

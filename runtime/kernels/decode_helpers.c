@@ -71,7 +71,8 @@ typedef struct {
     int sleeping; /* helpers asleep on the futex */
     char pad3[60];
     uint64_t state[MAX_CHUNKS];
-    int helpers, use;
+    int helpers, use, pinned, caller_cpu;
+    pthread_t threads[MAX_HELPERS];
     long helped, taken, waited_ns; /* chunks the caller copied from helpers, took back; its wait */
     long spin_ns, steal_ns;
     uint32_t last_gen; /* the caller's count of jobs */
@@ -79,7 +80,7 @@ typedef struct {
     long xcap, rcap, scap;
 } pool_t;
 
-static pool_t pool = {.spin_ns = 200000, .steal_ns = 50000};
+static pool_t pool = {.spin_ns = 200000, .steal_ns = 50000, .caller_cpu = -1};
 static pthread_mutex_t start_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static inline long now_ns(void) {
@@ -174,23 +175,28 @@ static void *helper_main(void *arg) {
     return NULL;
 }
 
-/* Pin helper h to the h-th allowed CPU after the one the caller runs on now (wrapping): a helper
-   woken by the caller is otherwise often placed on the caller's own CPU, and the two then take
-   turns there while another CPU idles or runs someone else. */
-static void pin(pthread_t t, int h) {
+/* Pinning (ps_helpers_start's `pinned`): helper h runs on the h-th allowed CPU after the one the
+   caller ran on at its last shared call (wrapping), re-pinned when the caller moves. A helper
+   woken by the caller is otherwise often placed on the caller's own CPU (the two then take turns
+   there while another CPU idles, or runs a busy neighbour that the helper should share instead). */
+static void pin_all(int here) {
     cpu_set_t allowed, one;
-    if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) return;
-    const int n = CPU_COUNT(&allowed), here = sched_getcpu();
-    if (n < 2 || here < 0) return;
-    int cpus[CPU_SETSIZE], k = 0, at = 0;
+    if (here < 0 || sched_getaffinity(0, sizeof allowed, &allowed) != 0) return;
+    const int n = CPU_COUNT(&allowed);
+    if (n < 2) return;
+    int cpus[CPU_SETSIZE], k = 0, at = -1;
     for (int c = 0; c < CPU_SETSIZE && k < n; c++)
         if (CPU_ISSET(c, &allowed)) {
             if (c == here) at = k;
             cpus[k++] = c;
         }
-    CPU_ZERO(&one);
-    CPU_SET(cpus[(at + 1 + h % (n - 1)) % n], &one);
-    pthread_setaffinity_np(t, sizeof one, &one);
+    if (at < 0) return;
+    for (int h = 0; h < pool.helpers; h++) {
+        CPU_ZERO(&one);
+        CPU_SET(cpus[(at + 1 + h % (n - 1)) % n], &one);
+        pthread_setaffinity_np(pool.threads[h], sizeof one, &one);
+    }
+    pool.caller_cpu = here;
 }
 
 static void after_fork_child(void) { pool.helpers = 0; } /* the child has no helper threads */
@@ -217,9 +223,10 @@ int ps_helpers_start(int n, int pinned, long spin_us, long steal_us) {
         const int rc = pthread_create(&t, &a, helper_main, (void *)(long)pool.helpers);
         pthread_attr_destroy(&a);
         if (rc != 0) break;
-        if (pinned) pin(t, pool.helpers);
-        pool.helpers++;
+        pool.threads[pool.helpers++] = t;
     }
+    pool.pinned = pinned;
+    pool.caller_cpu = -1; /* (re)pinned at the next shared call */
     const int got = pool.helpers;
     pthread_mutex_unlock(&start_lock);
     return got;
@@ -267,6 +274,10 @@ int ps_gemm_bf16w_f32_shared(const float *x, const uint16_t *wp, const float *re
     float *rb = res ? grow(&pool.rbuf, &pool.rcap, M * cols) : NULL;
     float *sb = grow(&pool.sbuf, &pool.scap, (long)helpers * M * cols);
     if (!xb || (res && !rb) || !sb) return ps_gemm_bf16w_f32(x, wp, res, y, M, N, K, 1, act);
+    if (pool.pinned) {
+        const int here = sched_getcpu();
+        if (here != pool.caller_cpu) pin_all(here);
+    }
     memcpy(xb, x, (size_t)(M * K) * sizeof(float));
     if (res) memcpy(rb, res, (size_t)(M * cols) * sizeof(float));
     const long per_chunk = (blocks + MAX_CHUNKS - 1) / MAX_CHUNKS;

@@ -28,7 +28,7 @@ def lib():
         pytest.skip(NO_KERNEL)
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip(ONE_CPU)
-    assert cpu_gemm_avx2.start_helpers(lib, 1) >= 1
+    assert cpu_gemm_avx2.start_helpers(lib, 1, pin=True) >= 1  # as the runner starts them
     was = cpu_gemm_avx2.use_helpers(lib, True)
     yield lib
     cpu_gemm_avx2.use_helpers(lib, was)
