@@ -46,6 +46,9 @@ int ps_gemm_bf16w_f32(const float *x, const uint16_t *wp, const float *res, floa
 
 #define MAX_HELPERS 64
 #define MAX_CHUNKS 4096
+/* Most chunks one claim takes: what a caller recomputes when it takes back a descheduled
+   helper's claim (8 chunks of 32 columns of K = 576: ~300 KB, ~25 us of streaming). */
+#define MAX_SPAN 8
 /* Rows a shared call takes (decode batches); more rows go to the one-thread kernel. */
 #define MAX_ROWS 16
 
@@ -71,7 +74,7 @@ typedef struct {
     int sleeping; /* helpers asleep on the futex */
     char pad3[60];
     uint64_t state[MAX_CHUNKS];
-    int helpers, use, pinned, caller_cpu;
+    int helpers, use, pinned, caller_cpu, busy;
     pthread_t threads[MAX_HELPERS];
     long helped, taken, waited_ns; /* chunks the caller copied from helpers, took back; its wait */
     long spin_ns, steal_ns;
@@ -99,7 +102,7 @@ static long futex(uint32_t *addr, int op, uint32_t val) {
    finish. A function of c alone, so the caller can walk the claims others made. */
 static inline long span(const job_t *j, long c) {
     const long left = j->chunks - c, s = left / (2 * j->parts);
-    return s < 1 ? 1 : s;
+    return s < 1 ? 1 : s > MAX_SPAN ? MAX_SPAN : s;
 }
 
 /* Claim the next run of chunks of generation g: its first chunk, or -1 when none is left (or g
@@ -262,14 +265,26 @@ static float *grow(float **buf, long *cap, long n) {
     return b;
 }
 
+static int shared_job(const float *x, const uint16_t *wp, const float *res, float *y, long M, long N, long K, int act,
+                      int helpers, long blocks, long cols);
+
 /* As ps_gemm_bf16w_f32 with one thread, the output blocks shared with the helpers (see above).
-   Called from one thread at a time (the engine's step); the same bits as the one-thread kernel. */
+   The same bits as the one-thread kernel. */
 int ps_gemm_bf16w_f32_shared(const float *x, const uint16_t *wp, const float *res, float *y, long M, long N, long K,
                              int act) {
     if (K % 2 || K < 2 || M < 0 || N < 1 || (act && N % 32)) return -1;
     const int helpers = pool.use ? pool.helpers : 0;
     const long tiles = (N + 15) / 16, blocks = (tiles + 1) / 2, cols = act ? N / 2 : N;
     if (helpers == 0 || M == 0 || M > MAX_ROWS || blocks < 2) return ps_gemm_bf16w_f32(x, wp, res, y, M, N, K, 1, act);
+    /* One job at a time: a second thread calling meanwhile computes alone. */
+    if (__atomic_exchange_n(&pool.busy, 1, __ATOMIC_ACQUIRE)) return ps_gemm_bf16w_f32(x, wp, res, y, M, N, K, 1, act);
+    const int rc = shared_job(x, wp, res, y, M, N, K, act, helpers, blocks, cols);
+    __atomic_store_n(&pool.busy, 0, __ATOMIC_RELEASE);
+    return rc;
+}
+
+static int shared_job(const float *x, const uint16_t *wp, const float *res, float *y, long M, long N, long K, int act,
+                      int helpers, long blocks, long cols) {
     float *xb = grow(&pool.xbuf, &pool.xcap, M * K);
     float *rb = res ? grow(&pool.rbuf, &pool.rcap, M * cols) : NULL;
     float *sb = grow(&pool.sbuf, &pool.scap, (long)helpers * M * cols);

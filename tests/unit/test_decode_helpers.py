@@ -111,3 +111,28 @@ def test_same_bits_while_another_process_spins_on_a_cpu(lib) -> None:
     finally:
         spinner.kill()
         spinner.wait()
+
+
+def test_two_threads_calling_at_once_get_their_own_bits(lib) -> None:
+    """One job at a time: a call made while another thread's is running computes alone."""
+    import threading
+
+    cases = [_case(1, 4096, 576, True, cpu_gemm_avx2.NONE, seed=21), _case(2, 3072, 576, False, cpu_gemm_avx2.SWIGLU,
+                                                                           seed=22)]
+    ns = [4096, 3072]
+    acts = [cpu_gemm_avx2.NONE, cpu_gemm_avx2.SWIGLU]
+    wants = [_one_thread(lib, x, p, n, r, a) for (x, p, r), n, a in zip(cases, ns, acts, strict=True)]
+    bad: list[int] = []
+
+    def work(i: int) -> None:
+        (x, p, r), n, a = cases[i], ns[i], acts[i]
+        for _ in range(60):
+            if not torch.equal(_shared(lib, x, p, n, r, a), wants[i]):
+                bad.append(i)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad
