@@ -8,14 +8,15 @@
  * neighbour's core. So the engine ran these steps on one thread, reading the weights at one
  * core's bandwidth.
  *
- * Here a matmul's output blocks (32 columns each, gemm_bf16w_avx2.c) are claimed one chunk at a
- * time from one shared counter by the caller and any helper that is awake; the caller never waits
- * for a fixed share. When the counter runs out, the caller settles the chunks helpers claimed: a
- * finished one is copied from that helper's scratch rows; one still unfinished after a short spin
- * (its helper descheduled) is taken back and computed by the caller. Every chunk is computed by
+ * Here a matmul's output blocks (32 columns each, gemm_bf16w_avx2.c) are claimed in runs (a
+ * shrinking share of what is left, at most MAX_SPAN) from one shared counter by the caller and any
+ * helper that is awake; the caller never waits for a fixed share. When the counter runs out, the
+ * caller settles the runs helpers claimed: a finished one is copied from that helper's scratch
+ * rows; one still unfinished after a short spin (its helper descheduled) is taken back and
+ * computed by the caller. Every chunk is computed by
  * the same code whoever runs it (ps_bf16w_blocks), so the result is the same bits as one thread's.
  *
- * So that a helper still inside a chunk the caller took back can never touch memory the caller
+ * So that a helper still inside a run the caller took back can never touch memory the caller
  * has moved on from, helpers read only the weights (held by the model for its lifetime) and this
  * pool's own copies of x and the residual, and write only their own scratch rows; pool buffers
  * outgrown are kept, not freed (a late helper may still read or write them; they are discarded).
@@ -23,7 +24,9 @@
  * with an earlier job's arguments.
  *
  * Helpers wait for work by spinning briefly (the gaps between a step's matmuls are tens of us),
- * then sleep on a futex: nothing between steps, and nothing taken from a busy neighbour.
+ * then sleep on a futex: nothing between steps, and nothing taken from a busy neighbour. A weight
+ * freed while a late helper still reads it is the one hazard left: the model keeps its weights
+ * for its lifetime, and a helper is late by at most the time it was descheduled.
  */
 #define _GNU_SOURCE
 #include <errno.h>
