@@ -256,6 +256,7 @@ class ModelRunner:
         # The batch rule was measured with the bf16 kernels; the AVX2 fp32 path keeps the torch rule.
         self.small_decode_batch = (KERNEL_SMALL_DECODE_BATCH if self.paged_kernel and self.dtype == torch.bfloat16
                                    else SMALL_DECODE_BATCH)
+        self.decode_helpers = self._start_decode_helpers(layouts.get("bf16w_avx2", 0))
         if self.ranks is not None:
             self.ranks.join(self.device)
             self.ranks.wait_ready()
@@ -271,6 +272,30 @@ class ModelRunner:
         if self.ranks is not None:
             self.ranks.close()
             self.ranks = None
+
+    def _start_decode_helpers(self, bf16w_weights: int) -> int:
+        """Where decode steps of a few sequences run on one thread (small_step_threads) with the
+        AVX2 bf16-weight matmul, share those matmuls with helper threads of our own
+        (kernels/decode_helpers.c): the other cores stream weights too, and a helper whose core is
+        taken is never waited for. PHASESPLIT_DECODE_HELPERS=0 keeps such steps on one thread.
+        Returns how many helpers run."""
+        if not (self.small_step_threads and bf16w_weights) or os.environ.get("PHASESPLIT_DECODE_HELPERS", "1") == "0":
+            return 0
+        from phasesplit.runtime.kernels import build, cpu_gemm_avx2
+
+        lib = build.bf16w_library()
+        if lib is None:
+            return 0
+        try:
+            # Pinned away from this thread's CPU: measured beside a busy process here, unpinned
+            # helpers were woken onto the caller's CPU and slowed the step (docs/benchmarks.md).
+            n = cpu_gemm_avx2.start_helpers(lib, self.threads - 1, pin=True)
+        except build.KernelUnavailable as e:
+            log.warning("decode helpers not used: %s", e)
+            return 0
+        log.info("decode steps of up to %d sequences: matmuls shared by this thread and %d helper thread(s)",
+                 self.small_decode_batch, n)
+        return n
 
     def _set_step_threads(self, prefill: bool, num_decode: int) -> None:
         small = self.small_step_threads and not prefill and num_decode <= self.small_decode_batch

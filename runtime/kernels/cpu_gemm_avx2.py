@@ -29,6 +29,16 @@ def declare(lib: ctypes.CDLL) -> None:
     fn = lib.ps_gemm_bf16w_f32
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int] * 2
     fn.restype = ctypes.c_int
+    shared = lib.ps_gemm_bf16w_f32_shared
+    shared.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    shared.restype = ctypes.c_int
+    lib.ps_helpers_start.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    lib.ps_helpers_start.restype = ctypes.c_int
+    lib.ps_helpers_use.argtypes = [ctypes.c_int]
+    lib.ps_helpers_use.restype = ctypes.c_int
+    lib.ps_helpers_count.restype = ctypes.c_int
+    lib.ps_helpers_stats.argtypes = [ctypes.c_void_p]
+    lib.ps_helpers_stats.restype = None
 
 
 def pack(weight: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
@@ -39,16 +49,24 @@ def pack(weight: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
 
 
 def matmul(fn: ctypes._CFuncPtr, x: torch.Tensor, packed: torch.Tensor, n: int,
-           residual: torch.Tensor | None = None, act: int = NONE) -> torch.Tensor:
+           residual: torch.Tensor | None = None, act: int = NONE, shared: ctypes._CFuncPtr | None = None
+           ) -> torch.Tensor:
     """x [M, K] fp32 @ W^T (+ residual [M, N] fp32) with W packed by `pack`; out [M, N] fp32.
-    act=SWIGLU: W packed with swiglu=True and n = 2I rows; out [M, I] = silu(gate) * up."""
+    act=SWIGLU: W packed with swiglu=True and n = 2I rows; out [M, I] = silu(gate) * up.
+    `shared` (the library's ps_gemm_bf16w_f32_shared): when torch runs one thread (the runner's
+    decode steps of a few sequences), the call is shared with the decode helpers, if started
+    (`start_helpers`); the same bits either way."""
     x = x.float().contiguous()  # both no-ops for a contiguous fp32 tensor
     m, k = x.shape
     if residual is not None:
         residual = residual.float().contiguous()
     out = torch.empty(m, n // 2 if act == SWIGLU else n, dtype=torch.float32)
-    rc = fn(x.data_ptr(), packed.data_ptr(), None if residual is None else residual.data_ptr(), out.data_ptr(),
-            m, n, k, torch.get_num_threads(), act)
+    res = None if residual is None else residual.data_ptr()
+    threads = torch.get_num_threads()
+    if shared is not None and threads == 1:
+        rc = shared(x.data_ptr(), packed.data_ptr(), res, out.data_ptr(), m, n, k, act)
+    else:
+        rc = fn(x.data_ptr(), packed.data_ptr(), res, out.data_ptr(), m, n, k, threads, act)
     if rc != 0:
         raise KernelUnavailable(f"bf16-weight matmul rejected its arguments (rows {m}, cols {n}, inner {k}, "
                                 f"act {act})")
@@ -83,3 +101,59 @@ def self_check(lib: ctypes.CDLL) -> None:
                 raise KernelUnavailable(f"bf16-weight matmul self-check failed (rows {m}, cols {n}, inner {k}, "
                                         f"act {act}, {threads} threads: code {rc}, "
                                         f"max error {err:.3g})")
+    check_shared(lib, rounds=1)  # no helpers yet: its entry point on the caller alone
+
+
+def start_helpers(lib: ctypes.CDLL, n: int, pin: bool = False, spin_us: int = -1, steal_us: int = -1) -> int:
+    """Start the process's decode helpers (decode_helpers.c) until n run, and share one-thread
+    calls of `matmul(shared=...)` with them; checked bit for bit against the one-thread kernel
+    first (on failure they are switched off and KernelUnavailable raised). pin: each new helper
+    pinned to a CPU other than the caller's now. spin_us / steal_us:
+    a helper's spin before it sleeps, the caller's wait for a held chunk before it computes it
+    itself (-1: the defaults). Returns how many helpers run; at most one pool per process."""
+    got = lib.ps_helpers_start(n, int(pin), spin_us, steal_us)
+    lib.ps_helpers_use(1)
+    try:
+        check_shared(lib)
+    except KernelUnavailable:
+        lib.ps_helpers_use(0)
+        raise
+    return got
+
+
+def use_helpers(lib: ctypes.CDLL, on: bool) -> bool:
+    """Whether shared calls use the helpers (False: the caller alone; the threads stay, asleep);
+    returns the previous setting."""
+    return bool(lib.ps_helpers_use(int(on)))
+
+
+def helper_stats(lib: ctypes.CDLL) -> tuple[int, int, float]:
+    """(claims helpers computed and the caller used, claims the caller took back from a helper
+    that held one too long, seconds the caller spent waiting for helpers) since the process
+    started."""
+    out = (ctypes.c_long * 3)()
+    lib.ps_helpers_stats(out)
+    return out[0], out[1], out[2] / 1e9
+
+
+def check_shared(lib: ctypes.CDLL, rounds: int = 20) -> None:
+    """The shared matmul against the one-thread kernel, bit for bit: column tails, 1-3 rows, a
+    residual, SwiGLU, repeated so that the helpers take part in some calls."""
+    g = torch.Generator().manual_seed(1)
+    for m, n, k, with_res, act in ((1, 1000, 64, True, NONE), (2, 97, 130, False, NONE),
+                                   (3, 576, 96, True, NONE), (1, 384, 66, True, SWIGLU), (2, 1024, 34, False, SWIGLU)):
+        w = torch.randn(n, k, generator=g)
+        x = torch.randn(m, k, generator=g)
+        cols = n // 2 if act == SWIGLU else n
+        r = torch.randn(m, cols, generator=g) if with_res else None
+        packed = pack(w, swiglu=act == SWIGLU)
+        want = torch.empty(m, cols)
+        lib.ps_gemm_bf16w_f32(x.data_ptr(), packed.data_ptr(), None if r is None else r.data_ptr(),
+                              want.data_ptr(), m, n, k, 1, act)
+        for _ in range(rounds):
+            got = torch.full((m, cols), float("nan"))
+            rc = lib.ps_gemm_bf16w_f32_shared(x.data_ptr(), packed.data_ptr(), None if r is None else r.data_ptr(),
+                                              got.data_ptr(), m, n, k, act)
+            if rc != 0 or not torch.equal(got, want):
+                raise KernelUnavailable(f"shared bf16-weight matmul differs from one thread's (rows {m}, cols {n}, "
+                                        f"inner {k}, act {act}: code {rc})")

@@ -114,15 +114,13 @@ static inline __attribute__((always_inline)) void block(const float *x, const ui
     if (two) put(s1, res, y, N, t * 16 + 16, N, R);
 }
 
-/* y[M][N] = x[M][K] @ W^T (+ res[M][N]), all fp32 but W (bf16, packed). With act=1, N is the
-   packed gate+up rows (a multiple of 32) and y is [M][N/2] = silu(gate) * up (+ res). */
-int ps_gemm_bf16w_f32(const float *x, const uint16_t *wp, const float *res, float *y, long M, long N, long K,
-                      int threads, int act) {
-    if (K % 2 || K < 2 || M < 0 || N < 1 || threads < 1 || (act && N % 32)) return -1;
-    const long tiles = (N + 15) / 16, blocks = (tiles + 1) / 2;
-    const long cols = act ? N / 2 : N;
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-    for (long b = 0; b < blocks; b++) {
+/* Output blocks [b0, b1) (32 columns each; 16 of y with act) of all M rows: what one thread does
+   with its share, whatever the split (decode_helpers.c shares them out too), so a row's result
+   does not depend on how the columns were divided. */
+void ps_bf16w_blocks(const float *x, const uint16_t *wp, const float *res, float *y, long M, long N, long K,
+                     int act, long b0, long b1) {
+    const long tiles = (N + 15) / 16, cols = act ? N / 2 : N;
+    for (long b = b0; b < b1; b++) {
         const long t = 2 * b;
         const int two = t + 1 < tiles;
         for (long r = 0; r < M; r += ROWS) {
@@ -133,5 +131,15 @@ int ps_gemm_bf16w_f32(const float *x, const uint16_t *wp, const float *res, floa
             else block(xr, wp, rr, yr, N, K, t, two, act, 1);
         }
     }
+}
+
+/* y[M][N] = x[M][K] @ W^T (+ res[M][N]), all fp32 but W (bf16, packed). With act=1, N is the
+   packed gate+up rows (a multiple of 32) and y is [M][N/2] = silu(gate) * up (+ res). */
+int ps_gemm_bf16w_f32(const float *x, const uint16_t *wp, const float *res, float *y, long M, long N, long K,
+                      int threads, int act) {
+    if (K % 2 || K < 2 || M < 0 || N < 1 || threads < 1 || (act && N % 32)) return -1;
+    const long tiles = (N + 15) / 16, blocks = (tiles + 1) / 2;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (long b = 0; b < blocks; b++) ps_bf16w_blocks(x, wp, res, y, M, N, K, act, b, b + 1);
     return 0;
 }

@@ -65,7 +65,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.packed: torch.Tensor | None = None  # oneDNN's blocked layout
         self.tiled: torch.Tensor | None = None  # cpu_gemm's layout
-        self._gemm = None
+        self._gemm = self._gemm_shared = None  # _gemm_shared: cpu_gemm_avx2.matmul(shared=...)
         self._swiglu = False  # tiled with gate and up tiles alternating (pack_for_cpu(swiglu=True))
         self._bf16w = False  # tiled holds bf16 weights for fp32 activations (cpu_gemm_avx2)
         self.blocks: QuantWeight | None = None  # GGUF blocks served natively (quantized.py)
@@ -77,7 +77,7 @@ class Linear(nn.Module):
         nn.Module.__init__(lin)
         lin.out_features = weight.shape[0]
         lin.weight = nn.Parameter(weight, requires_grad=False)
-        lin.packed = lin.tiled = lin._gemm = lin.blocks = lin._qlib = None
+        lin.packed = lin.tiled = lin._gemm = lin._gemm_shared = lin.blocks = lin._qlib = None
         lin._swiglu = lin._bf16w = False
         return lin
 
@@ -107,7 +107,8 @@ class Linear(nn.Module):
             return cpu_quant.matmul(self._qlib, x, self.blocks.blocks, self.blocks.qtype, residual,
                                     out_dtype or x.dtype)
         if self._bf16w:
-            return cpu_gemm_avx2.matmul(self._gemm, x, self.tiled, self.out_features, residual)
+            return cpu_gemm_avx2.matmul(self._gemm, x, self.tiled, self.out_features, residual,
+                                        shared=self._gemm_shared)
         if self._gemm is not None:
             return cpu_gemm.matmul(self._gemm, x, self.tiled, self.out_features, residual,
                                    out_dtype or x.dtype)
@@ -123,7 +124,8 @@ class Linear(nn.Module):
         """silu(gate) * up for a weight holding the gate rows, then the up rows; in the matmul's
         epilogue when the weight was packed with swiglu=True."""
         if self._swiglu and self._bf16w:
-            return cpu_gemm_avx2.matmul(self._gemm, x, self.tiled, self.out_features, act=cpu_gemm_avx2.SWIGLU)
+            return cpu_gemm_avx2.matmul(self._gemm, x, self.tiled, self.out_features, act=cpu_gemm_avx2.SWIGLU,
+                                        shared=self._gemm_shared)
         if self._swiglu:
             return cpu_gemm.matmul(self._gemm, x, self.tiled, self.out_features, act=cpu_gemm.SWIGLU)
         gate, up = self(x).chunk(2, dim=-1)
@@ -149,7 +151,7 @@ class Linear(nn.Module):
             lib = build.bf16w_library()
             if lib is None:
                 return None
-            self._gemm, self._bf16w = lib.ps_gemm_bf16w_f32, True
+            self._gemm, self._gemm_shared, self._bf16w = lib.ps_gemm_bf16w_f32, lib.ps_gemm_bf16w_f32_shared, True
             self._swiglu = swiglu and w.shape[0] % (2 * cpu_gemm.TILE) == 0
             self.tiled = cpu_gemm_avx2.pack(w, swiglu=self._swiglu)
             self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)

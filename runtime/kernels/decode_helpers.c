@@ -1,0 +1,358 @@
+/* A decode step's bf16-weight matmuls on the calling thread plus persistent helper threads, with
+ * waits that cannot collapse when a helper's core is taken by another process.
+ *
+ * At a batch of a few rows a decode step is a stream of the weights, ~120 matmuls of 0.1-3 ms
+ * each. OpenMP's two-thread regions end in a barrier: with sleeping waits every region pays a
+ * wake-up, and beside a busy process a descheduled thread makes the other wait a timeslice at
+ * every region (measured here: 1,172 ms a step instead of ~30); spinning waits take the busy
+ * neighbour's core. So the engine ran these steps on one thread, reading the weights at one
+ * core's bandwidth.
+ *
+ * Here a matmul's output blocks (32 columns each, gemm_bf16w_avx2.c) are claimed in runs (a
+ * shrinking share of what is left, at most MAX_SPAN) from one shared counter by the caller and any
+ * helper that is awake; the caller never waits for a fixed share. When the counter runs out, the
+ * caller settles the runs helpers claimed: a finished one is copied from that helper's scratch
+ * rows; one still unfinished after a short spin (its helper descheduled) is taken back and
+ * computed by the caller. Every chunk is computed by
+ * the same code whoever runs it (ps_bf16w_blocks), so the result is the same bits as one thread's.
+ *
+ * So that a helper still inside a run the caller took back can never touch memory the caller
+ * has moved on from, helpers read only the weights (held by the model for its lifetime) and this
+ * pool's own copies of x and the residual, and write only their own scratch rows; pool buffers
+ * outgrown are kept, not freed (a late helper may still read or write them; they are discarded).
+ * A claim is checked against the job's generation, so a late helper never works on a later job
+ * with an earlier job's arguments.
+ *
+ * Helpers wait for work by spinning briefly (the gaps between a step's matmuls are tens of us),
+ * then sleep on a futex: nothing between steps, and nothing taken from a busy neighbour. A weight
+ * freed while a late helper still reads it is the one hazard left: the model keeps its weights
+ * for its lifetime, and a helper is late by at most the time it was descheduled.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#include <immintrin.h>
+
+void ps_bf16w_blocks(const float *x, const uint16_t *wp, const float *res, float *y, long M, long N, long K,
+                     int act, long b0, long b1);
+int ps_gemm_bf16w_f32(const float *x, const uint16_t *wp, const float *res, float *y, long M, long N, long K,
+                      int threads, int act);
+
+#define MAX_HELPERS 64
+#define MAX_CHUNKS 4096
+/* Most chunks one claim takes: what a caller recomputes when it takes back a descheduled
+   helper's claim (8 chunks of 32 columns of K = 576: ~300 KB, ~25 us of streaming). */
+#define MAX_SPAN 8
+/* Rows a shared call takes (decode batches); more rows go to the one-thread kernel. */
+#define MAX_ROWS 16
+
+/* Chunk states: generation << 32 | helper << 8 | state. */
+enum { FREE = 0, CLAIMED = 1, DONE = 2, TAKEN = 3, MINE = 4 };
+#define STATE(g, h, s) (((uint64_t)(uint32_t)(g) << 32) | ((uint64_t)(h) << 8) | (uint64_t)(s))
+
+typedef struct {
+    const uint16_t *wp;
+    const float *x, *res; /* the pool's copies */
+    float *scratch;       /* helper h writes rows of M x cols at scratch + h * M * cols */
+    long M, N, K, act, blocks, per_chunk, chunks, parts;
+} job_t;
+
+typedef struct {
+    /* The job of generation `gen` (written by the caller before it publishes gen). */
+    job_t job;
+    char pad0[64];
+    uint32_t gen; /* futex word: the latest job published */
+    char pad1[60];
+    uint64_t next; /* gen << 32 | the next chunk to claim */
+    char pad2[56];
+    int sleeping; /* helpers asleep on the futex */
+    char pad3[60];
+    uint64_t state[MAX_CHUNKS];
+    int helpers, use, pinned, caller_cpu, busy;
+    pthread_t threads[MAX_HELPERS];
+    long helped, taken, waited_ns; /* chunks the caller copied from helpers, took back; its wait */
+    long spin_ns, steal_ns;
+    uint32_t last_gen; /* the caller's count of jobs */
+    float *xbuf, *rbuf, *sbuf;
+    long xcap, rcap, scap;
+} pool_t;
+
+static pool_t pool = {.spin_ns = 200000, .steal_ns = 50000, .caller_cpu = -1};
+static pthread_mutex_t start_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static inline long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+static long futex(uint32_t *addr, int op, uint32_t val) {
+    return syscall(SYS_futex, addr, op, val, NULL, NULL, 0);
+}
+
+/* Chunks a claim starting at chunk c takes: a share of what is left, shrinking towards the end
+   (guided scheduling). Few claims keep each thread on long runs of weights (the prefetchers
+   follow them) and the shared counter's cache line still; the small last ones even out the
+   finish. A function of c alone, so the caller can walk the claims others made. */
+static inline long span(const job_t *j, long c) {
+    const long left = j->chunks - c, s = left / (2 * j->parts);
+    return s < 1 ? 1 : s > MAX_SPAN ? MAX_SPAN : s;
+}
+
+/* Claim the next run of chunks of generation g: its first chunk, or -1 when none is left (or g
+   is over). */
+static long claim(uint32_t g, const job_t *j) {
+    uint64_t cur = __atomic_load_n(&pool.next, __ATOMIC_ACQUIRE);
+    for (;;) {
+        const long c = (long)(cur & 0xffffffffu);
+        if ((uint32_t)(cur >> 32) != g || c >= j->chunks) return -1;
+        if (__atomic_compare_exchange_n(&pool.next, &cur, cur + (uint64_t)span(j, c), 1, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE))
+            return c;
+    }
+}
+
+static void chunk_blocks(const job_t *j, long c, long *b0, long *b1) {
+    const long e = (c + span(j, c)) * j->per_chunk;
+    *b0 = c * j->per_chunk;
+    *b1 = e < j->blocks ? e : j->blocks;
+}
+
+/* A helper's part of generation g: claim, compute into its scratch, mark done, until none left. */
+static void help(int h, uint32_t g) {
+    job_t j;
+    memcpy(&j, (const void *)&pool.job, sizeof j); /* valid if a claim of g succeeds (see claim's caller) */
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    if (j.chunks > MAX_CHUNKS || j.M < 1 || j.M > MAX_ROWS || j.parts < 2) return;
+    const long cols = j.act ? j.N / 2 : j.N;
+    float *mine = j.scratch + (long)h * j.M * cols;
+    for (;;) {
+        /* A successful claim of g means the caller had not finished g, so the job read above
+           (after seeing g published) is g's: the caller rewrites it only after finishing g. */
+        const long c = claim(g, &j);
+        if (c < 0) return;
+        uint64_t seen = __atomic_load_n(&pool.state[c], __ATOMIC_ACQUIRE);
+        if ((uint32_t)(seen >> 32) == g) continue; /* already taken back by the caller */
+        if (!__atomic_compare_exchange_n(&pool.state[c], &seen, STATE(g, h, CLAIMED), 0, __ATOMIC_ACQ_REL,
+                                         __ATOMIC_ACQUIRE))
+            continue;
+        long b0, b1;
+        chunk_blocks(&j, c, &b0, &b1);
+        ps_bf16w_blocks(j.x, j.wp, j.res, mine, j.M, j.N, j.K, (int)j.act, b0, b1);
+        uint64_t want = STATE(g, h, CLAIMED);
+        __atomic_compare_exchange_n(&pool.state[c], &want, STATE(g, h, DONE), 0, __ATOMIC_RELEASE,
+                                    __ATOMIC_RELAXED);
+    }
+}
+
+static void *helper_main(void *arg) {
+    const int h = (int)(long)arg;
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, NULL); /* signals go to the process's own threads */
+    uint32_t seen = __atomic_load_n(&pool.gen, __ATOMIC_ACQUIRE);
+    long idle_since = now_ns();
+    for (;;) {
+        const uint32_t g = __atomic_load_n(&pool.gen, __ATOMIC_ACQUIRE);
+        if (g != seen) {
+            seen = g;
+            help(h, g);
+            idle_since = now_ns();
+            continue;
+        }
+        if (now_ns() - idle_since < pool.spin_ns) {
+            for (int i = 0; i < 32; i++) _mm_pause();
+            continue;
+        }
+        __atomic_add_fetch(&pool.sleeping, 1, __ATOMIC_SEQ_CST);
+        futex(&pool.gen, FUTEX_WAIT_PRIVATE, g); /* returns at once if gen moved on */
+        __atomic_sub_fetch(&pool.sleeping, 1, __ATOMIC_SEQ_CST);
+        idle_since = now_ns();
+    }
+    return NULL;
+}
+
+/* Pinning (ps_helpers_start's `pinned`): helper h runs on the h-th allowed CPU after the one the
+   caller ran on at its last shared call (wrapping), re-pinned when the caller moves. A helper
+   woken by the caller is otherwise often placed on the caller's own CPU (the two then take turns
+   there while another CPU idles, or runs a busy neighbour that the helper should share instead). */
+static void pin_all(int here) {
+    cpu_set_t allowed, one;
+    if (here < 0 || sched_getaffinity(0, sizeof allowed, &allowed) != 0) return;
+    const int n = CPU_COUNT(&allowed);
+    if (n < 2) return;
+    int cpus[CPU_SETSIZE], k = 0, at = -1;
+    for (int c = 0; c < CPU_SETSIZE && k < n; c++)
+        if (CPU_ISSET(c, &allowed)) {
+            if (c == here) at = k;
+            cpus[k++] = c;
+        }
+    if (at < 0) return;
+    for (int h = 0; h < pool.helpers; h++) {
+        CPU_ZERO(&one);
+        CPU_SET(cpus[(at + 1 + h % (n - 1)) % n], &one);
+        pthread_setaffinity_np(pool.threads[h], sizeof one, &one);
+    }
+    pool.caller_cpu = here;
+}
+
+static void after_fork_child(void) { pool.helpers = 0; } /* the child has no helper threads */
+
+/* Start helpers until there are n (at most MAX_HELPERS); returns how many run. spin_us: how long
+   an idle helper spins before it sleeps; steal_us: how long the caller waits for a chunk a helper
+   holds before it computes it itself (< 0: keep the current value); pin: pin each new helper to
+   a CPU other than the caller's (see pin). */
+int ps_helpers_start(int n, int pinned, long spin_us, long steal_us) {
+    pthread_mutex_lock(&start_lock);
+    static int atfork;
+    if (!atfork) {
+        pthread_atfork(NULL, NULL, after_fork_child);
+        atfork = 1;
+    }
+    if (spin_us >= 0) pool.spin_ns = spin_us * 1000;
+    if (steal_us >= 0) pool.steal_ns = steal_us * 1000;
+    if (n > MAX_HELPERS) n = MAX_HELPERS;
+    while (pool.helpers < n) {
+        pthread_t t;
+        pthread_attr_t a;
+        pthread_attr_init(&a);
+        pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
+        const int rc = pthread_create(&t, &a, helper_main, (void *)(long)pool.helpers);
+        pthread_attr_destroy(&a);
+        if (rc != 0) break;
+        pool.threads[pool.helpers++] = t;
+    }
+    pool.pinned = pinned;
+    pool.caller_cpu = -1; /* (re)pinned at the next shared call */
+    const int got = pool.helpers;
+    pthread_mutex_unlock(&start_lock);
+    return got;
+}
+
+/* Whether shared calls use the helpers (on: 1) or run on the caller alone (0); returns the
+   previous setting. Call between matmuls, from the thread that makes them. */
+int ps_helpers_use(int on) {
+    const int was = pool.use;
+    pool.use = on;
+    return was;
+}
+
+int ps_helpers_count(void) { return pool.helpers; }
+
+/* Chunks computed by helpers and used, chunks the caller took back from a helper, and the time
+   the caller spent waiting for helpers' chunks, so far. */
+void ps_helpers_stats(long out[3]) {
+    out[0] = pool.helped;
+    out[1] = pool.taken;
+    out[2] = pool.waited_ns;
+}
+
+/* A buffer of at least n floats; an outgrown one is left allocated (a late helper may use it). */
+static float *grow(float **buf, long *cap, long n) {
+    if (n <= *cap) return *buf;
+    long want = *cap ? *cap : 4096;
+    while (want < n) want *= 2;
+    float *b = aligned_alloc(64, (size_t)want * sizeof(float));
+    if (!b) return NULL;
+    *buf = b;
+    *cap = want;
+    return b;
+}
+
+static int shared_job(const float *x, const uint16_t *wp, const float *res, float *y, long M, long N, long K, int act,
+                      int helpers, long blocks, long cols);
+
+/* As ps_gemm_bf16w_f32 with one thread, the output blocks shared with the helpers (see above).
+   The same bits as the one-thread kernel. */
+int ps_gemm_bf16w_f32_shared(const float *x, const uint16_t *wp, const float *res, float *y, long M, long N, long K,
+                             int act) {
+    if (K % 2 || K < 2 || M < 0 || N < 1 || (act && N % 32)) return -1;
+    const int helpers = pool.use ? pool.helpers : 0;
+    const long tiles = (N + 15) / 16, blocks = (tiles + 1) / 2, cols = act ? N / 2 : N;
+    if (helpers == 0 || M == 0 || M > MAX_ROWS || blocks < 2) return ps_gemm_bf16w_f32(x, wp, res, y, M, N, K, 1, act);
+    /* One job at a time: a second thread calling meanwhile computes alone. */
+    if (__atomic_exchange_n(&pool.busy, 1, __ATOMIC_ACQUIRE)) return ps_gemm_bf16w_f32(x, wp, res, y, M, N, K, 1, act);
+    const int rc = shared_job(x, wp, res, y, M, N, K, act, helpers, blocks, cols);
+    __atomic_store_n(&pool.busy, 0, __ATOMIC_RELEASE);
+    return rc;
+}
+
+static int shared_job(const float *x, const uint16_t *wp, const float *res, float *y, long M, long N, long K, int act,
+                      int helpers, long blocks, long cols) {
+    float *xb = grow(&pool.xbuf, &pool.xcap, M * K);
+    float *rb = res ? grow(&pool.rbuf, &pool.rcap, M * cols) : NULL;
+    float *sb = grow(&pool.sbuf, &pool.scap, (long)helpers * M * cols);
+    if (!xb || (res && !rb) || !sb) return ps_gemm_bf16w_f32(x, wp, res, y, M, N, K, 1, act);
+    if (pool.pinned) {
+        const int here = sched_getcpu();
+        if (here != pool.caller_cpu) pin_all(here);
+    }
+    memcpy(xb, x, (size_t)(M * K) * sizeof(float));
+    if (res) memcpy(rb, res, (size_t)(M * cols) * sizeof(float));
+    const long per_chunk = (blocks + MAX_CHUNKS - 1) / MAX_CHUNKS;
+    const long chunks = (blocks + per_chunk - 1) / per_chunk;
+    /* Close the last job's counter before rewriting the job: a helper holding a stale copy of
+       the job (its chunk count among it) can then never claim in the old generation. */
+    __atomic_store_n(&pool.next, ((uint64_t)pool.last_gen << 32) | 0xffffffffu, __ATOMIC_SEQ_CST);
+    const uint32_t g = ++pool.last_gen;
+    pool.job = (job_t){.wp = wp, .x = xb, .res = rb, .scratch = sb, .M = M, .N = N, .K = K, .act = act,
+                       .blocks = blocks, .per_chunk = per_chunk, .chunks = chunks, .parts = helpers + 1};
+    __atomic_store_n(&pool.next, (uint64_t)g << 32, __ATOMIC_RELEASE);
+    __atomic_store_n(&pool.gen, g, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&pool.sleeping, __ATOMIC_SEQ_CST)) futex(&pool.gen, FUTEX_WAKE_PRIVATE, helpers);
+    const job_t *j = &pool.job;
+    long c;
+    while ((c = claim(g, j)) >= 0) {
+        long b0, b1;
+        chunk_blocks(j, c, &b0, &b1);
+        ps_bf16w_blocks(x, wp, res, y, M, N, K, act, b0, b1);
+        __atomic_store_n(&pool.state[c], STATE(g, 0, MINE), __ATOMIC_RELAXED);
+    }
+    /* Settle the chunks helpers claimed. */
+    long wait_from = 0;
+    for (c = 0; c < chunks; c += span(j, c)) {
+        uint64_t s = __atomic_load_n(&pool.state[c], __ATOMIC_ACQUIRE);
+        if (s == STATE(g, 0, MINE)) continue;
+        for (;;) {
+            if ((uint32_t)(s >> 32) == g && (s & 0xff) == DONE) {
+                const long h = (long)((s >> 8) & 0xffffff);
+                long b0, b1, c0, c1;
+                chunk_blocks(j, c, &b0, &b1);
+                c0 = act ? 16 * b0 : 32 * b0;
+                c1 = act ? 16 * b1 : (32 * b1 < N ? 32 * b1 : N);
+                const float *from = sb + h * M * cols;
+                for (long r = 0; r < M; r++)
+                    memcpy(y + r * cols + c0, from + r * cols + c0, (size_t)(c1 - c0) * sizeof(float));
+                pool.helped++;
+                break;
+            }
+            if (!wait_from) wait_from = now_ns();
+            if (now_ns() - wait_from < pool.steal_ns) {
+                _mm_pause();
+                s = __atomic_load_n(&pool.state[c], __ATOMIC_ACQUIRE);
+                continue;
+            }
+            /* Its helper is descheduled (or has not marked its claim yet): take it back. */
+            if (__atomic_compare_exchange_n(&pool.state[c], &s, STATE(g, 0, TAKEN), 0, __ATOMIC_ACQ_REL,
+                                            __ATOMIC_ACQUIRE)) {
+                long b0, b1;
+                chunk_blocks(j, c, &b0, &b1);
+                ps_bf16w_blocks(x, wp, res, y, M, N, K, act, b0, b1);
+                pool.taken++;
+                break;
+            }
+            /* s now holds the state that beat us (done meanwhile): loop to copy it */
+        }
+    }
+    if (wait_from) pool.waited_ns += now_ns() - wait_from;
+    return 0;
+}

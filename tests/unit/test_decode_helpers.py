@@ -1,0 +1,138 @@
+"""The bf16-weight matmul shared by the caller and persistent helper threads (decode_helpers.c)
+against the one-thread kernel, bit for bit: idle, and while another process spins on a CPU."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from phasesplit.runtime.kernels import build, cpu_gemm_avx2
+
+NO_KERNEL = "this CPU lacks AVX2 or FMA, or no C compiler is on PATH: the bf16-weight AVX2 kernel cannot be built here"
+ONE_CPU = "only one CPU is allowed here: a helper thread would share it with the caller"
+
+
+@pytest.fixture(scope="module")
+def lib():
+    lib = build.bf16w_library()
+    if lib is None:
+        with open("/proc/cpuinfo") as f:
+            can = build.cpu_supported(f.read(), build.BF16W) and shutil.which("cc") is not None
+        assert not can, "the bf16-weight kernel should have built here"
+        pytest.skip(NO_KERNEL)
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip(ONE_CPU)
+    assert cpu_gemm_avx2.start_helpers(lib, 1, pin=True) >= 1  # as the runner starts them
+    was = cpu_gemm_avx2.use_helpers(lib, True)
+    yield lib
+    cpu_gemm_avx2.use_helpers(lib, was)
+
+
+def _case(m: int, n: int, k: int, residual: bool, act: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * k**-0.5
+    x = torch.randn(m, k, generator=g)
+    cols = n // 2 if act == cpu_gemm_avx2.SWIGLU else n
+    res = torch.randn(m, cols, generator=g) if residual else None
+    return x, cpu_gemm_avx2.pack(w, swiglu=act == cpu_gemm_avx2.SWIGLU), res
+
+
+def _one_thread(lib, x, packed, n, res, act) -> torch.Tensor:
+    with build.num_threads(1):
+        return cpu_gemm_avx2.matmul(lib.ps_gemm_bf16w_f32, x, packed, n, res, act)  # no `shared`: one thread
+
+
+def _shared(lib, x, packed, n, res, act) -> torch.Tensor:
+    with build.num_threads(1):
+        return cpu_gemm_avx2.matmul(lib.ps_gemm_bf16w_f32, x, packed, n, res, act, shared=lib.ps_gemm_bf16w_f32_shared)
+
+
+CASES = [(1, 576, 576, False, cpu_gemm_avx2.NONE), (2, 960, 576, True, cpu_gemm_avx2.NONE),
+         (1, 4099, 64, False, cpu_gemm_avx2.NONE),  # a column tail in the last block
+         (2, 33, 34, True, cpu_gemm_avx2.NONE), (1, 97, 2, False, cpu_gemm_avx2.NONE),
+         (3, 1000, 130, True, cpu_gemm_avx2.NONE), (1, 3072, 576, False, cpu_gemm_avx2.SWIGLU),
+         (2, 64, 34, True, cpu_gemm_avx2.SWIGLU), (1, 17, 66, True, cpu_gemm_avx2.NONE)]  # one block: caller alone
+
+
+@pytest.mark.parametrize(("m", "n", "k", "residual", "act"), CASES)
+def test_shared_matmul_gives_the_one_thread_kernels_bits(lib, m, n, k, residual, act) -> None:
+    x, packed, res = _case(m, n, k, residual, act, seed=m * 7919 + n + k)
+    want = _one_thread(lib, x, packed, n, res, act)
+    for _ in range(30):  # the helper joins some calls late, some early: every split the same bits
+        assert torch.equal(_shared(lib, x, packed, n, res, act), want)
+
+
+def test_helpers_take_part(lib) -> None:
+    """Without this the tests above could pass with the caller doing everything."""
+    x, packed, res = _case(1, 8192, 576, True, cpu_gemm_avx2.NONE, seed=3)
+    want = _one_thread(lib, x, packed, 8192, res, cpu_gemm_avx2.NONE)
+    before = cpu_gemm_avx2.helper_stats(lib)[0]
+    deadline = time.monotonic() + 10
+    while cpu_gemm_avx2.helper_stats(lib)[0] == before and time.monotonic() < deadline:
+        assert torch.equal(_shared(lib, x, packed, 8192, res, cpu_gemm_avx2.NONE), want)
+    assert cpu_gemm_avx2.helper_stats(lib)[0] > before, "no chunk was computed by a helper in 10 s"
+
+
+def test_switched_off_the_caller_computes_alone(lib) -> None:
+    x, packed, res = _case(1, 4096, 64, False, cpu_gemm_avx2.NONE, seed=5)
+    want = _one_thread(lib, x, packed, 4096, res, cpu_gemm_avx2.NONE)
+    cpu_gemm_avx2.use_helpers(lib, False)
+    try:
+        before = cpu_gemm_avx2.helper_stats(lib)
+        for _ in range(20):
+            assert torch.equal(_shared(lib, x, packed, 4096, res, cpu_gemm_avx2.NONE), want)
+        assert cpu_gemm_avx2.helper_stats(lib)[:2] == before[:2]
+    finally:
+        cpu_gemm_avx2.use_helpers(lib, True)
+
+
+def test_same_bits_while_another_process_spins_on_a_cpu(lib) -> None:
+    """A helper whose core a busy process shares is descheduled mid-chunk now and then; the caller
+    then takes its chunk back (or waits for it): the result is the same bits every call."""
+    cpus = sorted(os.sched_getaffinity(0))
+    spinner = subprocess.Popen(["taskset", "-c", str(cpus[-1]), sys.executable, "-c", "while True: pass"]
+                               if shutil.which("taskset") else [sys.executable, "-c", "while True: pass"])
+    try:
+        cases = [(_case(m, n, k, r, a, seed=11 + i), n, a) for i, (m, n, k, r, a) in enumerate(CASES[:3] + CASES[6:8])]
+        wants = [_one_thread(lib, x, p, n, res, a) for (x, p, res), n, a in cases]
+        deadline = time.monotonic() + 3
+        calls = 0
+        while time.monotonic() < deadline:
+            for ((x, p, res), n, a), want in zip(cases, wants, strict=True):
+                assert torch.equal(_shared(lib, x, p, n, res, a), want)
+                calls += 1
+        assert calls > len(cases)
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+def test_two_threads_calling_at_once_get_their_own_bits(lib) -> None:
+    """One job at a time: a call made while another thread's is running computes alone."""
+    import threading
+
+    cases = [_case(1, 4096, 576, True, cpu_gemm_avx2.NONE, seed=21), _case(2, 3072, 576, False, cpu_gemm_avx2.SWIGLU,
+                                                                           seed=22)]
+    ns = [4096, 3072]
+    acts = [cpu_gemm_avx2.NONE, cpu_gemm_avx2.SWIGLU]
+    wants = [_one_thread(lib, x, p, n, r, a) for (x, p, r), n, a in zip(cases, ns, acts, strict=True)]
+    bad: list[int] = []
+
+    def work(i: int) -> None:
+        (x, p, r), n, a = cases[i], ns[i], acts[i]
+        for _ in range(60):
+            if not torch.equal(_shared(lib, x, p, n, r, a), wants[i]):
+                bad.append(i)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad
