@@ -3,29 +3,19 @@ taking that layout."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from phasesplit.runtime.kernels import build, cpu_gemm_avx2
 from phasesplit.runtime.model.llama import Linear
+from tests.kernels import built_or_skip
 
 NO_KERNEL = "this CPU lacks AVX2 or FMA, or no C compiler is on PATH: the bf16-weight AVX2 kernel cannot be built here"
 
 
-def _cpu_can_run_kernel() -> bool:
-    with open("/proc/cpuinfo") as f:
-        return build.cpu_supported(f.read(), build.BF16W) and shutil.which("cc") is not None
-
-
 def _fn():
-    lib = build.bf16w_library()
-    if lib is None:
-        assert not _cpu_can_run_kernel(), "the bf16-weight kernel should have built here"
-        pytest.skip(NO_KERNEL)
-    return lib.ps_gemm_bf16w_f32
+    return built_or_skip(build.bf16w_library(), build.BF16W, "bf16-weight kernel", NO_KERNEL).ps_gemm_bf16w_f32
 
 
 def test_cpu_flag_parsing() -> None:

@@ -3,8 +3,6 @@ the paged cache) against torch, and the model's attention taking them only when 
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,18 +14,13 @@ from phasesplit.runtime.model.attention import (
     kernel_decode_available,
     paged_attention,
 )
+from tests.kernels import built_or_skip
 
 NO_KERNEL = "this CPU lacks AVX2 or FMA, or no C compiler is on PATH: the fp32 AVX2 layer kernels cannot be built here"
 
 
 def _lib():
-    lib = build.layer_f32_library()
-    if lib is None:
-        with open("/proc/cpuinfo") as f:
-            can = build.cpu_supported(f.read(), build.LAYER_F32) and shutil.which("cc") is not None
-        assert not can, "the fp32 layer kernels should have built here"
-        pytest.skip(NO_KERNEL)
-    return lib
+    return built_or_skip(build.layer_f32_library(), build.LAYER_F32, "fp32 layer kernels", NO_KERNEL)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from phasesplit.runtime.kernels import build, cpu_gemm_avx2
+from tests.kernels import built_or_skip
 
 NO_KERNEL = "this CPU lacks AVX2 or FMA, or no C compiler is on PATH: the bf16-weight AVX2 kernel cannot be built here"
 ONE_CPU = "only one CPU is allowed here: a helper thread would share it with the caller"
@@ -20,12 +21,7 @@ ONE_CPU = "only one CPU is allowed here: a helper thread would share it with the
 
 @pytest.fixture(scope="module")
 def lib():
-    lib = build.bf16w_library()
-    if lib is None:
-        with open("/proc/cpuinfo") as f:
-            can = build.cpu_supported(f.read(), build.BF16W) and shutil.which("cc") is not None
-        assert not can, "the bf16-weight kernel should have built here"
-        pytest.skip(NO_KERNEL)
+    lib = built_or_skip(build.bf16w_library(), build.BF16W, "bf16-weight kernel", NO_KERNEL)
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip(ONE_CPU)
     assert cpu_gemm_avx2.start_helpers(lib, 1, pin=True) >= 1  # as the runner starts them
