@@ -130,6 +130,9 @@ def build(cc: str, out_dir: Path, spec: Spec = BF16) -> Path:
                               text=True, timeout=300)
         if proc.returncode != 0:
             raise KernelUnavailable(f"{cc} failed to build {spec.prefix}: {proc.stderr.strip()[-600:]}")
+        # mkstemp makes the file 0600: a library prebuilt into an image as root would then be
+        # unreadable to the pod's own user, and every CPU pod would run without its kernels.
+        os.chmod(tmp, 0o755)
         os.replace(tmp, lib)
     finally:
         if os.path.exists(tmp):

@@ -94,6 +94,20 @@ def test_linear_layouts_equal_the_plain_matmul(kernel: bool, monkeypatch: pytest
         torch.testing.assert_close(lin(x, residual=res), torch.addmm(res, x, plain.t()), rtol=1e-2, atol=5e-2)
 
 
+def test_a_built_library_is_readable_by_every_user(tmp_path) -> None:
+    """Images prebuild the libraries as root (docker/runtime.Dockerfile) and pods run as their own
+    user: a library only its owner can read (mkstemp's 0600) left every CPU pod without kernels."""
+    import shutil
+    import stat
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler on PATH")
+    lib = build.build(cc, tmp_path, build.QUANT)
+    mode = stat.S_IMODE(lib.stat().st_mode)
+    assert mode & 0o444 == 0o444 and mode & 0o111 == 0o111, oct(mode)
+
+
 def test_build_failure_is_reported_not_raised(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A compiler that fails leaves a clear reason, and library() falls back to None."""
     bad = tmp_path / "cc"
