@@ -140,7 +140,13 @@ def test_idle_to_zero_then_a_held_request_wakes_both_phases(kube_cluster: KubeCl
             zero_events = wait_for("a ScaledToZero event", lambda: events("ScaledToZero"), timeout=30)
             print(f"0+0 {at_zero:.1f} s after start-up was measured; Event ScaledToZero: {zero_events[0]}")
             assert "scaled to zero after" in zero_events[0], zero_events
-            conds = {c["type"]: c for c in status()["autoscaling"]["conditions"]}
+            # The Event is posted when the planner decides; the condition lands with the pass
+            # that applies the decision and writes status, a moment later.
+            def zero_condition() -> dict | None:
+                conds = {c["type"]: c for c in (status().get("autoscaling") or {}).get("conditions") or []}
+                return conds if "ScaledToZero" in conds else None
+
+            conds = wait_for("the ScaledToZero condition in status", zero_condition, timeout=30)
             assert conds["ScaledToZero"]["status"] == "True", conds
             wait_for("the local workers to stop", lambda: not phases.procs, timeout=60)
             # Prometheus sees them gone (their series go stale) before the request is sent.
