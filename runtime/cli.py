@@ -185,7 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8000, help="router port")
     up.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     up.add_argument("--decode", type=int, default=1, help="number of decode workers")
-    up.add_argument("--colocated", action="store_true", help="one 'both' worker instead of a split")
+    up.add_argument("--colocated", type=positive_int, nargs="?", const=1, default=0, metavar="N",
+                    help="colocated workers instead of a split: one 'both' worker (N=1, the default), or N "
+                         "replicas behind the router, each prefilling its own requests (with --pin-cpus, "
+                         "each on its share of the cores)")
     up.add_argument("--pin-cpus", action="store_true", help="pin each worker to its own CPU cores")
     up.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     up.add_argument("--on-prefill-failure", choices=FAILURE_POLICIES, default="retry-local")

@@ -126,8 +126,13 @@ def up(args: argparse.Namespace) -> int:
     env = dict(os.environ, **{internal_secret.ENV: secrets.token_urlsafe(32)})
     children: list[Child] = []
     workers: list[tuple[str, list[str]]] = []
-    if args.colocated:
+    routed = args.colocated != 1  # a router in front: the split, or colocated replicas
+    if args.colocated == 1:
         workers.append(("both", []))
+    elif args.colocated:
+        # Replicas: decode workers given no prefill worker prefill their own prompts (a colocated
+        # engine each), balanced by the router as a split's decode pool is.
+        workers += [("decode", [])] * args.colocated
     else:
         workers += [("prefill", [])] * args.prefill
         workers += [("decode", ["--on-prefill-failure", args.on_prefill_failure, "--prefill-timeout",
@@ -179,16 +184,18 @@ def up(args: argparse.Namespace) -> int:
             urls[role].append(url)
             print(f"[up] {role} worker on {url} (pid {children[-1].p.pid})"
                   + (f" (cpus {sorted(cpus)})" if cpus else ""), flush=True)
-        if not args.colocated:
+        if routed:
             router = ["serve", "--role", "router", "--host", host, "--port", str(args.port), *model, *common,
                       "--prefill-urls", ",".join(urls["prefill"]), "--decode-urls", ",".join(urls["decode"])]
             children.append(Child("router", router, None, f"http://{host}:{args.port}", env))
             print(f"[up] router on http://{host}:{args.port} (pid {children[-1].p.pid})", flush=True)
         endpoint = f"http://{host}:{args.port}"
         _wait_ready(children, endpoint)
-        print(f"[up] ready: OpenAI API at {endpoint}/v1 "
-              f"({'colocated' if args.colocated else f'{args.prefill} prefill + {args.decode} decode'}); "
-              "Ctrl-C stops everything", flush=True)
+        if not args.colocated:
+            shape = f"{args.prefill} prefill + {args.decode} decode"
+        else:
+            shape = "colocated" if args.colocated == 1 else f"{args.colocated} colocated replicas"
+        print(f"[up] ready: OpenAI API at {endpoint}/v1 ({shape}); Ctrl-C stops everything", flush=True)
         while True:
             now = time.monotonic()
             for c in children:

@@ -26,7 +26,9 @@ def _ignore_sigint() -> None:
 
 
 def _run_up(extra: list[str], log, stop: int = signal.SIGTERM, background: bool = False,
-            prompts: list[str] = PROMPTS) -> tuple[list[str], set[int]]:
+            prompts: list[str] = PROMPTS, kids: int | None = None) -> tuple[list[str], set[int]]:
+    """Start `up`, send the prompts, stop it; returns the texts and its child processes (`kids`:
+    how many there must be; default 1 for --colocated, 3 for a split)."""
     port = free_port()
     p = subprocess.Popen([sys.executable, "-m", "phasesplit.runtime.cli", "up", "--port", str(port), "--dtype",
                           "float32", "--kv-cache-memory", "128MiB", "--log-level", "warning", *extra],
@@ -40,8 +42,9 @@ def _run_up(extra: list[str], log, stop: int = signal.SIGTERM, background: bool 
             if "ready: OpenAI API" in line:
                 break
             assert time.monotonic() < deadline and p.poll() is None, "".join(lines)
+        want = kids if kids is not None else (1 if "--colocated" in extra else 3)
         kids = _children(p.pid)
-        assert len(kids) == (1 if "--colocated" in extra else 3), lines
+        assert len(kids) == want, lines
         texts = []
         for prompt in prompts:
             r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120, json={
@@ -69,6 +72,17 @@ def test_up_split_and_colocated_agree_and_stop_cleanly(tmp_path):
     assert split == colocated
     time.sleep(0.5)
     assert not [k for k in kids_split | kids_colo if _alive(k)], "SIGTERM must stop every child"
+
+
+def test_up_colocated_replicas_behind_the_router(tmp_path):
+    """`--colocated 2`: two workers that prefill their own prompts, one core each, behind the
+    router (the equal-cores baseline of one engine per core) answer as one colocated worker does."""
+    with open(tmp_path / "up.log", "w") as log:
+        one, _ = _run_up(["--colocated"], log)
+        two, kids = _run_up(["--colocated", "2", "--pin-cpus"], log, prompts=PROMPTS * 2, kids=3)
+    assert two == one * 2
+    time.sleep(0.5)
+    assert not [k for k in kids if _alive(k)], "SIGTERM must stop every child"
 
 
 def test_up_stops_on_sigint_in_the_background_and_no_worker_outlives_it(tmp_path):
