@@ -23,3 +23,27 @@ def built_or_skip(lib, spec: build.Spec, what: str, reason: str):
         assert not can_build(spec), f"the {what} should have built here"
         pytest.skip(reason)
     return lib
+
+
+def decode_with_and_without_helpers(engine, lib, what: str) -> None:
+    """One greedy request with logprobs decoded twice by `engine`: with the decode helpers (they
+    must compute some of the matmuls: `what` names them in the failure) and with the caller alone;
+    the tokens and logprobs must be the same bits. `lib`: the helpers' library (bf16w_library)."""
+    from phasesplit.runtime.kernels import cpu_gemm_avx2
+    from phasesplit.runtime.request import SamplingParams
+
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
+    prompt = list(range(3000, 3010))  # under one KV block: no prefix-cache hit on the second run
+
+    def run(tag: str) -> list:
+        return [(o.new_token_ids, o.logprobs) for o in engine.run_to_end(tag, prompt, params)]
+
+    before = cpu_gemm_avx2.helper_stats(lib)[0]
+    shared = run("shared")
+    assert cpu_gemm_avx2.helper_stats(lib)[0] > before, f"no {what} of the decode steps ran on a helper"
+    assert cpu_gemm_avx2.use_helpers(lib, False)
+    try:
+        alone = run("alone")
+    finally:
+        cpu_gemm_avx2.use_helpers(lib, True)
+    assert shared == alone and len(shared) == 24

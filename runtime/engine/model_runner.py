@@ -16,7 +16,7 @@ from phasesplit.runtime.engine.cuda_graphs import DecodeGraphs
 from phasesplit.runtime.engine.scheduler import ScheduledBatch
 from phasesplit.runtime.engine.sequence import Sequence
 from phasesplit.runtime.engine.tensor_parallel import Ranks, all_reduce, init_group
-from phasesplit.runtime.kernels import cpu_attention, hugepages
+from phasesplit.runtime.kernels import cpu_attention, cpu_quant, hugepages
 from phasesplit.runtime.model import quantized
 from phasesplit.runtime.model.attention import (
     DECODE_WIDTH_STEP,
@@ -256,7 +256,8 @@ class ModelRunner:
         # The batch rule was measured with the bf16 kernels; the AVX2 fp32 path keeps the torch rule.
         self.small_decode_batch = (KERNEL_SMALL_DECODE_BATCH if self.paged_kernel and self.dtype == torch.bfloat16
                                    else SMALL_DECODE_BATCH)
-        self.decode_helpers = self._start_decode_helpers(layouts.get("bf16w_avx2", 0))
+        self.decode_helpers = self._start_decode_helpers(
+            sum(layouts.get(name, 0) for name in ("bf16w_avx2", "cpu_gemm", *cpu_quant.NAMES.values())))
         if self.ranks is not None:
             self.ranks.join(self.device)
             self.ranks.wait_ready()
@@ -273,13 +274,14 @@ class ModelRunner:
             self.ranks.close()
             self.ranks = None
 
-    def _start_decode_helpers(self, bf16w_weights: int) -> int:
+    def _start_decode_helpers(self, shareable_weights: int) -> int:
         """Where decode steps of a few sequences run on one thread (small_step_threads) with the
-        AVX2 bf16-weight matmul, share those matmuls with helper threads of our own
+        CPU kernels' matmuls (AVX2 bf16 weights, AVX512-BF16, GGUF blocks served natively;
+        `shareable_weights`: how many projections use them), share them with helper threads of our own
         (kernels/decode_helpers.c): the other cores stream weights too, and a helper whose core is
         taken is never waited for. PHASESPLIT_DECODE_HELPERS=0 keeps such steps on one thread.
         Returns how many helpers run."""
-        if not (self.small_step_threads and bf16w_weights) or os.environ.get("PHASESPLIT_DECODE_HELPERS", "1") == "0":
+        if not (self.small_step_threads and shareable_weights) or os.environ.get("PHASESPLIT_DECODE_HELPERS", "1") == "0":
             return 0
         from phasesplit.runtime.kernels import build, cpu_gemm_avx2
 

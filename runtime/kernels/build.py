@@ -59,11 +59,12 @@ BF16 = Spec("phasesplit_kernels", SOURCES, HEADERS, tuple(FLAGS), CPU_FLAGS)
 QUANT = Spec("phasesplit_quant", (Path(__file__).with_name("quant_gemm.c"),), (),
              ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"), ("avx2", "fma", "f16c"))
 # bf16 weights with fp32 activations where AVX512-BF16 is missing (cpu_gemm_avx2.py): AVX2 + FMA.
-# With it, the same matmul shared out to persistent helper threads for decode steps of a few rows
-# (decode_helpers.c).
+# With it, that matmul and the quantized one (quant_gemm.c again: the helpers call its tiles)
+# shared out to persistent helper threads for decode steps of a few rows (decode_helpers.c).
 BF16W = Spec("phasesplit_bf16w", (Path(__file__).with_name("gemm_bf16w_avx2.c"),
+                                  Path(__file__).with_name("quant_gemm.c"),
                                   Path(__file__).with_name("decode_helpers.c")), (),
-             ("-O3", "-mavx2", "-mfma", "-fopenmp", "-pthread", "-fPIC", "-shared"), ("avx2", "fma"))
+             ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-pthread", "-fPIC", "-shared"), ("avx2", "fma", "f16c"))
 # Beside it, the fp32 norm, RoPE + K/V write and decode attention of a layer (cpu_layer_f32.py).
 LAYER_F32 = Spec("phasesplit_layer_f32", (Path(__file__).with_name("layer_f32_avx2.c"),), (), BF16W.flags,
                  BF16W.cpu_flags)

@@ -9,10 +9,13 @@ row count measured, so the weights are kept in its layout alone: no second copy.
 from __future__ import annotations
 
 import ctypes
+import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from phasesplit.runtime.kernels import build
 from phasesplit.runtime.kernels.build import KernelUnavailable
 
 TILE = 16  # output columns per packed tile (one 512-bit register of fp32 sums)
@@ -22,6 +25,17 @@ def declare(lib: ctypes.CDLL) -> None:
     fn = lib.ps_gemm_bf16
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int] * 3
     fn.restype = ctypes.c_int
+    # ps_bf16_blocks is only handed over by address (shared_call), never called from here.
+
+
+def shared_call(lib: ctypes.CDLL) -> Callable[..., int] | None:
+    """The call that shares this library's matmul with the decode helpers (decode_helpers.c's
+    ps_bf16_shared, handed this library's ps_bf16_blocks), with ps_gemm_bf16's arguments less
+    `threads`; None where the helpers' library cannot be built (AVX2, FMA, F16C)."""
+    helpers = build.bf16w_library()
+    if helpers is None:
+        return None
+    return functools.partial(helpers.ps_bf16_shared, ctypes.cast(lib.ps_bf16_blocks, ctypes.c_void_p).value)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -48,9 +62,11 @@ NONE, SWIGLU = 0, 1
 
 def matmul(fn: ctypes._CFuncPtr, x: torch.Tensor, packed: torch.Tensor, n: int,
            residual: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-           act: int = NONE) -> torch.Tensor:
+           act: int = NONE, shared: Callable[..., int] | None = None) -> torch.Tensor:
     """x [M, K] bf16 @ W^T (+ residual [M, N] bf16) with W packed by `pack`; out [M, N].
-    act=SWIGLU: W packed by `pack_swiglu` with n = 2I rows; out [M, I] = silu(gate) * up."""
+    act=SWIGLU: W packed by `pack_swiglu` with n = 2I rows; out [M, I] = silu(gate) * up.
+    `shared` (shared_call's): when torch runs one thread (the runner's decode steps of a few
+    sequences), the call is shared with the decode helpers, if started; the same bits either way."""
     x = x.contiguous()
     m, k = x.shape
     out = torch.empty(m, n // 2 if act == SWIGLU else n, dtype=out_dtype)
@@ -58,8 +74,12 @@ def matmul(fn: ctypes._CFuncPtr, x: torch.Tensor, packed: torch.Tensor, n: int,
     if residual is not None:
         residual = residual.contiguous()
         res = residual.data_ptr()
-    rc = fn(x.data_ptr(), packed.data_ptr(), res, out.data_ptr(), m, n, k, out_dtype == torch.float32,
-            torch.get_num_threads(), act)
+    threads = torch.get_num_threads()
+    if shared is not None and threads == 1:
+        rc = shared(x.data_ptr(), packed.data_ptr(), res, out.data_ptr(), m, n, k, out_dtype == torch.float32, act)
+    else:
+        rc = fn(x.data_ptr(), packed.data_ptr(), res, out.data_ptr(), m, n, k, out_dtype == torch.float32, threads,
+                act)
     if rc != 0:
         raise KernelUnavailable(f"matmul rejected its arguments (rows {m}, cols {n}, inner {k}, act {act})")
     return out

@@ -19,7 +19,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from phasesplit.runtime.kernels import cpu_gemm
+from phasesplit.runtime.kernels import build, cpu_gemm
 from phasesplit.runtime.kernels.build import KernelUnavailable
 
 NONE, SWIGLU = cpu_gemm.NONE, cpu_gemm.SWIGLU
@@ -39,6 +39,15 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.ps_helpers_count.restype = ctypes.c_int
     lib.ps_helpers_stats.argtypes = [ctypes.c_void_p]
     lib.ps_helpers_stats.restype = None
+    # The quantized matmul (quant_gemm.c, built in here too) and its call shared with the helpers.
+    lib.ps_qgemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + [ctypes.c_int] * 2
+    lib.ps_qgemm.restype = ctypes.c_int
+    lib.ps_qgemm_shared.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + [ctypes.c_int]
+    lib.ps_qgemm_shared.restype = ctypes.c_int
+    # The AVX512-BF16 matmul (another library, gemm_bf16.c) shared with the helpers: its blocks'
+    # function by address (cpu_gemm.shared_call).
+    lib.ps_bf16_shared.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int] * 2
+    lib.ps_bf16_shared.restype = ctypes.c_int
 
 
 def pack(weight: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
@@ -137,8 +146,9 @@ def helper_stats(lib: ctypes.CDLL) -> tuple[int, int, float]:
 
 
 def check_shared(lib: ctypes.CDLL, rounds: int = 20) -> None:
-    """The shared matmul against the one-thread kernel, bit for bit: column tails, 1-3 rows, a
-    residual, SwiGLU, repeated so that the helpers take part in some calls."""
+    """The shared matmuls against the one-thread kernels, bit for bit: column tails, 1-3 rows, a
+    residual, SwiGLU, each GGUF block type, and the AVX512-BF16 kernel where this CPU has it (bf16
+    and fp32 outputs); repeated so that the helpers take part in some calls."""
     g = torch.Generator().manual_seed(1)
     for m, n, k, with_res, act in ((1, 1000, 64, True, NONE), (2, 97, 130, False, NONE),
                                    (3, 576, 96, True, NONE), (1, 384, 66, True, SWIGLU), (2, 1024, 34, False, SWIGLU)):
@@ -157,3 +167,41 @@ def check_shared(lib: ctypes.CDLL, rounds: int = 20) -> None:
             if rc != 0 or not torch.equal(got, want):
                 raise KernelUnavailable(f"shared bf16-weight matmul differs from one thread's (rows {m}, cols {n}, "
                                         f"inner {k}, act {act}: code {rc})")
+    from phasesplit.runtime.kernels import cpu_quant
+
+    for qtype, m, n, k, with_res in ((cpu_quant.Q8_0, 1, 1000, 64, True), (cpu_quant.Q4_0, 2, 97, 96, False),
+                                     (cpu_quant.Q4_1, 3, 576, 128, True), (cpu_quant.Q8_0, 4, 40, 32, False)):
+        blocks = cpu_quant.quantize(torch.randn(n, k, generator=g), qtype)
+        x = torch.randn(m, k, generator=g)
+        r = torch.randn(m, n, generator=g) if with_res else None
+        res = None if r is None else r.data_ptr()
+        want = torch.empty(m, n)
+        lib.ps_qgemm(x.data_ptr(), blocks.data_ptr(), res, want.data_ptr(), m, n, k, blocks.stride(0), qtype, 1)
+        for _ in range(rounds):
+            got = torch.full((m, n), float("nan"))
+            rc = lib.ps_qgemm_shared(x.data_ptr(), blocks.data_ptr(), res, got.data_ptr(), m, n, k,
+                                     blocks.stride(0), qtype)
+            if rc != 0 or not torch.equal(got, want):
+                raise KernelUnavailable(f"shared quantized matmul differs from one thread's ({cpu_quant.NAMES[qtype]}, "
+                                        f"rows {m}, cols {n}, inner {k}: code {rc})")
+    native = build.library()  # the AVX512-BF16 kernels, where this CPU has them
+    if native is None:
+        return
+    blocks_fn = ctypes.cast(native.ps_bf16_blocks, ctypes.c_void_p).value
+    for m, n, k, with_res, act, f32 in ((1, 1000, 64, True, NONE, False), (2, 97, 130, False, NONE, True),
+                                        (3, 576, 96, True, SWIGLU, False), (1, 384, 66, False, SWIGLU, True)):
+        w = torch.randn(n, k, generator=g).bfloat16()
+        x = torch.randn(m, k, generator=g).bfloat16()
+        cols = n // 2 if act == SWIGLU else n
+        r = torch.randn(m, cols, generator=g).bfloat16() if with_res else None
+        res = None if r is None else r.data_ptr()
+        packed = cpu_gemm.pack_swiglu(w) if act == SWIGLU else cpu_gemm.pack(w)
+        out_dtype = torch.float32 if f32 else torch.bfloat16
+        want = torch.empty(m, cols, dtype=out_dtype)
+        native.ps_gemm_bf16(x.data_ptr(), packed.data_ptr(), res, want.data_ptr(), m, n, k, f32, 1, act)
+        for _ in range(rounds):
+            got = torch.full((m, cols), float("nan"), dtype=out_dtype)
+            rc = lib.ps_bf16_shared(blocks_fn, x.data_ptr(), packed.data_ptr(), res, got.data_ptr(), m, n, k, f32, act)
+            if rc != 0 or not torch.equal(got, want):
+                raise KernelUnavailable(f"shared AVX512-BF16 matmul differs from one thread's (rows {m}, cols {n}, "
+                                        f"inner {k}, act {act}, fp32 out {f32}: code {rc})")

@@ -42,12 +42,14 @@ def declare(lib: ctypes.CDLL) -> None:
 
 def matmul(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, qtype: int,
            residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-           dense_rows: int = DENSE_ROWS) -> torch.Tensor:
+           dense_rows: int = DENSE_ROWS, shared: ctypes._CFuncPtr | None = None) -> torch.Tensor:
     """x [M, K] @ W^T (+ residual [M, N]) with W as `blocks` [N, K/32 * block bytes] uint8.
 
     The kernels work in fp32: other activations are converted in and the result converted back
     to `out_dtype` (default: x's dtype). From `dense_rows` rows on, W is dequantized for the
-    call and torch multiplies (no activation rounding then)."""
+    call and torch multiplies (no activation rounding then). `shared` (the bf16w library's
+    ps_qgemm_shared): when torch runs one thread (the runner's decode steps of a few sequences),
+    the call is shared with the decode helpers, if started; the same bits either way."""
     out_dtype = out_dtype or x.dtype
     xf = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
     m, k = xf.shape
@@ -59,10 +61,13 @@ def matmul(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, qtype: int,
         out = F.linear(xf, w) if residual is None else torch.addmm(residual, xf, w.t())
         return out if out_dtype == torch.float32 else out.to(out_dtype)
     res = None if residual is None else residual.data_ptr()
-    fn = lib.ps_qgemm
     out = torch.empty(m, n, dtype=torch.float32)
-    rc = fn(xf.data_ptr(), blocks.data_ptr(), res, out.data_ptr(), m, n, k, blocks.stride(0), qtype,
-            torch.get_num_threads())
+    threads = torch.get_num_threads()
+    if shared is not None and threads == 1:
+        rc = shared(xf.data_ptr(), blocks.data_ptr(), res, out.data_ptr(), m, n, k, blocks.stride(0), qtype)
+    else:
+        rc = lib.ps_qgemm(xf.data_ptr(), blocks.data_ptr(), res, out.data_ptr(), m, n, k, blocks.stride(0), qtype,
+                          threads)
     if rc != 0:
         raise KernelUnavailable(f"quantized matmul rejected its arguments (rows {m}, cols {n}, inner {k}, "
                                 f"type {NAMES.get(qtype, qtype)}): code {rc}")

@@ -8,7 +8,9 @@
  * neighbour's core. So the engine ran these steps on one thread, reading the weights at one
  * core's bandwidth.
  *
- * Here a matmul's output blocks (32 columns each, gemm_bf16w_avx2.c) are claimed in runs (a
+ * Here a matmul's output blocks (32 columns each, gemm_bf16w_avx2.c; or 16-column tiles of a
+ * matmul with GGUF block weights, quant_gemm.c; or the AVX512-BF16 kernel's blocks of 32 columns,
+ * gemm_bf16.c, built in another library and handed over by address) are claimed in runs (a
  * shrinking share of what is left, at most MAX_SPAN) from one shared counter by the caller and any
  * helper that is awake; the caller never waits for a fixed share. When the counter runs out, the
  * caller settles the runs helpers claimed: a finished one is copied from that helper's scratch
@@ -46,6 +48,12 @@ void ps_bf16w_blocks(const float *x, const uint16_t *wp, const float *res, float
                      int act, long b0, long b1);
 int ps_gemm_bf16w_f32(const float *x, const uint16_t *wp, const float *res, float *y, long M, long N, long K,
                       int threads, int act);
+void ps_q_quantize_rows(const float *x, long m, long k, int8_t *q, float *d, float *s);
+void ps_q_tiles(int type, const uint8_t *w, long row_bytes, long t0, long t1, long m, long n, long k,
+                const int8_t *q, const float *d, const float *s, const float *residual, float *out);
+int ps_q_args_ok(long m, long n, long k, long row_bytes, int type);
+int ps_qgemm(const float *x, const uint8_t *w, const float *residual, float *out, long m, long n, long k,
+             long row_bytes, int type, int threads);
 
 #define MAX_HELPERS 64
 #define MAX_CHUNKS 4096
@@ -59,11 +67,27 @@ int ps_gemm_bf16w_f32(const float *x, const uint16_t *wp, const float *res, floa
 enum { FREE = 0, CLAIMED = 1, DONE = 2, TAKEN = 3, MINE = 4 };
 #define STATE(g, h, s) (((uint64_t)(uint32_t)(g) << 32) | ((uint64_t)(h) << 8) | (uint64_t)(s))
 
+/* What a job multiplies: bf16 weights with fp32 activations (gemm_bf16w_avx2.c's blocks of 32
+   columns, 16 with the SwiGLU epilogue), GGUF blocks (quant_gemm.c's tiles of 16 columns,
+   activations quantized once by the caller), or bf16 weights and activations on AVX512-BF16
+   (gemm_bf16.c's blocks, through the function pointer bf16_fn; output bf16 or fp32). */
+enum { BF16W = 0, QUANT = 1, BF16 = 2 };
+
+typedef void (*bf16_blocks_fn)(const uint16_t *x, const uint16_t *wp, const uint16_t *res, void *y, long M, long N,
+                               long K, int out_f32, int act, long b0, long b1);
+
 typedef struct {
-    const uint16_t *wp;
-    const float *x, *res; /* the pool's copies */
-    float *scratch;       /* helper h writes rows of M x cols at scratch + h * M * cols */
-    long M, N, K, act, blocks, per_chunk, chunks, parts;
+    long kind;
+    bf16_blocks_fn bf16_fn;           /* BF16 */
+    const uint16_t *wp;               /* BF16W, BF16 */
+    const uint8_t *qw;                /* QUANT: the blocks, row_bytes apart, of type qtype */
+    long row_bytes, qtype;
+    const void *x, *res;              /* the pool's copies (BF16W, BF16: x; all: the residual) */
+    const int8_t *q;                  /* QUANT: the pool's quantized activation rows */
+    const float *qd, *qs;             /* their blocks' scales and scale x sum */
+    char *scratch;                    /* helper h writes rows of M x cols at scratch + h * M * cols * elem */
+    long M, N, K, act, out_f32, elem;  /* elem: bytes per output value */
+    long cols, blocks, block_cols, per_chunk, chunks, parts;
 } job_t;
 
 typedef struct {
@@ -82,8 +106,8 @@ typedef struct {
     long helped, taken, waited_ns; /* chunks the caller copied from helpers, took back; its wait */
     long spin_ns, steal_ns;
     uint32_t last_gen; /* the caller's count of jobs */
-    float *xbuf, *rbuf, *sbuf;
-    long xcap, rcap, scap;
+    float *xbuf, *rbuf, *sbuf, *qbuf, *dbuf;
+    long xcap, rcap, scap, qcap, dcap;
 } pool_t;
 
 static pool_t pool = {.spin_ns = 200000, .steal_ns = 50000, .caller_cpu = -1};
@@ -127,14 +151,24 @@ static void chunk_blocks(const job_t *j, long c, long *b0, long *b1) {
     *b1 = e < j->blocks ? e : j->blocks;
 }
 
+/* Output blocks [b0, b1) of job j into y (rows of j->cols), from activations x (BF16W, BF16) and
+   residual res: the one place any of the three kernels is called, by the caller and helpers alike. */
+static void run_blocks(const job_t *j, const void *x, const void *res, void *y, long b0, long b1) {
+    if (j->kind == QUANT)
+        ps_q_tiles((int)j->qtype, j->qw, j->row_bytes, b0, b1, j->M, j->N, j->K, j->q, j->qd, j->qs, res, y);
+    else if (j->kind == BF16)
+        j->bf16_fn(x, j->wp, res, y, j->M, j->N, j->K, (int)j->out_f32, (int)j->act, b0, b1);
+    else
+        ps_bf16w_blocks(x, j->wp, res, y, j->M, j->N, j->K, (int)j->act, b0, b1);
+}
+
 /* A helper's part of generation g: claim, compute into its scratch, mark done, until none left. */
 static void help(int h, uint32_t g) {
     job_t j;
     memcpy(&j, (const void *)&pool.job, sizeof j); /* valid if a claim of g succeeds (see claim's caller) */
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
-    if (j.chunks > MAX_CHUNKS || j.M < 1 || j.M > MAX_ROWS || j.parts < 2) return;
-    const long cols = j.act ? j.N / 2 : j.N;
-    float *mine = j.scratch + (long)h * j.M * cols;
+    if (j.chunks > MAX_CHUNKS || j.M < 1 || j.M > MAX_ROWS || j.parts < 2 || j.cols < 1 || j.elem < 1) return;
+    char *mine = j.scratch + (long)h * j.M * j.cols * j.elem;
     for (;;) {
         /* A successful claim of g means the caller had not finished g, so the job read above
            (after seeing g published) is g's: the caller rewrites it only after finishing g. */
@@ -147,7 +181,7 @@ static void help(int h, uint32_t g) {
             continue;
         long b0, b1;
         chunk_blocks(&j, c, &b0, &b1);
-        ps_bf16w_blocks(j.x, j.wp, j.res, mine, j.M, j.N, j.K, (int)j.act, b0, b1);
+        run_blocks(&j, j.x, j.res, mine, b0, b1);
         uint64_t want = STATE(g, h, CLAIMED);
         __atomic_compare_exchange_n(&pool.state[c], &want, STATE(g, h, DONE), 0, __ATOMIC_RELEASE,
                                     __ATOMIC_RELAXED);
@@ -268,8 +302,7 @@ static float *grow(float **buf, long *cap, long n) {
     return b;
 }
 
-static int shared_job(const float *x, const uint16_t *wp, const float *res, float *y, long M, long N, long K, int act,
-                      int helpers, long blocks, long cols);
+static int run_job(job_t job, const void *x, const void *res, void *y, int helpers);
 
 /* As ps_gemm_bf16w_f32 with one thread, the output blocks shared with the helpers (see above).
    The same bits as the one-thread kernel. */
@@ -281,57 +314,130 @@ int ps_gemm_bf16w_f32_shared(const float *x, const uint16_t *wp, const float *re
     if (helpers == 0 || M == 0 || M > MAX_ROWS || blocks < 2) return ps_gemm_bf16w_f32(x, wp, res, y, M, N, K, 1, act);
     /* One job at a time: a second thread calling meanwhile computes alone. */
     if (__atomic_exchange_n(&pool.busy, 1, __ATOMIC_ACQUIRE)) return ps_gemm_bf16w_f32(x, wp, res, y, M, N, K, 1, act);
-    const int rc = shared_job(x, wp, res, y, M, N, K, act, helpers, blocks, cols);
+    float *xb = grow(&pool.xbuf, &pool.xcap, M * K);
+    float *rb = res ? grow(&pool.rbuf, &pool.rcap, M * cols) : NULL;
+    float *sb = grow(&pool.sbuf, &pool.scap, (long)helpers * M * cols);
+    int rc;
+    if (!xb || (res && !rb) || !sb) {
+        rc = ps_gemm_bf16w_f32(x, wp, res, y, M, N, K, 1, act);
+    } else {
+        memcpy(xb, x, (size_t)(M * K) * sizeof(float));
+        if (res) memcpy(rb, res, (size_t)(M * cols) * sizeof(float));
+        rc = run_job((job_t){.kind = BF16W, .wp = wp, .x = xb, .res = rb, .scratch = (char *)sb, .M = M, .N = N,
+                             .K = K, .act = act, .elem = 4, .cols = cols, .blocks = blocks,
+                             .block_cols = act ? 16 : 32},
+                     x, res, y, helpers);
+    }
     __atomic_store_n(&pool.busy, 0, __ATOMIC_RELEASE);
     return rc;
 }
 
-static int shared_job(const float *x, const uint16_t *wp, const float *res, float *y, long M, long N, long K, int act,
-                      int helpers, long blocks, long cols) {
-    float *xb = grow(&pool.xbuf, &pool.xcap, M * K);
-    float *rb = res ? grow(&pool.rbuf, &pool.rcap, M * cols) : NULL;
-    float *sb = grow(&pool.sbuf, &pool.scap, (long)helpers * M * cols);
-    if (!xb || (res && !rb) || !sb) return ps_gemm_bf16w_f32(x, wp, res, y, M, N, K, 1, act);
+/* As ps_qgemm with one thread (GGUF block weights, quant_gemm.c), its 16-column tiles shared with
+   the helpers; the caller quantizes the activation rows once, into the pool. The same bits as the
+   one-thread kernel. */
+int ps_qgemm_shared(const float *x, const uint8_t *w, const float *res, float *y, long M, long N, long K,
+                    long row_bytes, int type) {
+    if (!ps_q_args_ok(M, N, K, row_bytes, type)) return -1;
+    const int helpers = pool.use ? pool.helpers : 0;
+    const long tiles = (N + 15) / 16, nb = K / 32;
+    if (helpers == 0 || M > MAX_ROWS || tiles < 2) return ps_qgemm(x, w, res, y, M, N, K, row_bytes, type, 1);
+    if (__atomic_exchange_n(&pool.busy, 1, __ATOMIC_ACQUIRE)) return ps_qgemm(x, w, res, y, M, N, K, row_bytes, type, 1);
+    int8_t *q = (int8_t *)grow(&pool.qbuf, &pool.qcap, (M * K + 3) / 4);
+    float *dq = grow(&pool.dbuf, &pool.dcap, 2 * M * nb);
+    float *rb = res ? grow(&pool.rbuf, &pool.rcap, M * N) : NULL;
+    float *sb = grow(&pool.sbuf, &pool.scap, (long)helpers * M * N);
+    int rc;
+    if (!q || !dq || (res && !rb) || !sb) {
+        rc = ps_qgemm(x, w, res, y, M, N, K, row_bytes, type, 1);
+    } else {
+        ps_q_quantize_rows(x, M, K, q, dq, dq + M * nb);
+        if (res) memcpy(rb, res, (size_t)(M * N) * sizeof(float));
+        rc = run_job((job_t){.kind = QUANT, .qw = w, .row_bytes = row_bytes, .qtype = type, .res = rb, .q = q,
+                             .qd = dq, .qs = dq + M * nb, .scratch = (char *)sb, .M = M, .N = N, .K = K,
+                             .elem = 4, .cols = N, .blocks = tiles, .block_cols = 16},
+                     NULL, res, y, helpers);
+    }
+    __atomic_store_n(&pool.busy, 0, __ATOMIC_RELEASE);
+    return rc;
+}
+
+/* As ps_gemm_bf16 with one thread (gemm_bf16.c: bf16 x, W and residual; y bf16, or fp32 when
+   out_f32), its blocks shared with the helpers. `fn` is that library's ps_bf16_blocks. The same
+   bits as the one-thread kernel. */
+int ps_bf16_shared(void *fn, const uint16_t *x, const uint16_t *wp, const uint16_t *res, void *y, long M, long N,
+                   long K, int out_f32, int act) {
+    if (!fn || K % 2 || M < 0 || N < 0 || (act && N % 32)) return -1;
+    const bf16_blocks_fn f = (bf16_blocks_fn)fn;
+    const int helpers = pool.use ? pool.helpers : 0;
+    const long tiles = (N + 15) / 16, blocks = (tiles + 1) / 2, cols = act ? N / 2 : N, elem = out_f32 ? 4 : 2;
+    if (helpers == 0 || M == 0 || M > MAX_ROWS || blocks < 2 ||
+        __atomic_exchange_n(&pool.busy, 1, __ATOMIC_ACQUIRE)) {
+        /* one thread (or another thread's job is running): the caller alone, in one pass */
+        f(x, wp, res, y, M, N, K, out_f32, act, 0, blocks);
+        return 0;
+    }
+    /* bf16 copies (2 bytes a value) in the pool's float buffers */
+    uint16_t *xb = (uint16_t *)grow(&pool.xbuf, &pool.xcap, (M * K + 1) / 2);
+    uint16_t *rb = res ? (uint16_t *)grow(&pool.rbuf, &pool.rcap, (M * cols + 1) / 2) : NULL;
+    float *sb = grow(&pool.sbuf, &pool.scap, ((long)helpers * M * cols * elem + 3) / 4);
+    int rc = 0;
+    if (!xb || (res && !rb) || !sb) {
+        f(x, wp, res, y, M, N, K, out_f32, act, 0, blocks);
+    } else {
+        memcpy(xb, x, (size_t)(M * K) * 2);
+        if (res) memcpy(rb, res, (size_t)(M * cols) * 2);
+        rc = run_job((job_t){.kind = BF16, .bf16_fn = f, .wp = wp, .x = xb, .res = rb, .scratch = (char *)sb,
+                             .M = M, .N = N, .K = K, .act = act, .out_f32 = out_f32, .elem = elem, .cols = cols,
+                             .blocks = blocks, .block_cols = act ? 16 : 32},
+                     x, res, y, helpers);
+    }
+    __atomic_store_n(&pool.busy, 0, __ATOMIC_RELEASE);
+    return rc;
+}
+
+/* Publish `job` (its pool copies filled in), compute claims on the caller (from its own x and res
+   where the kind reads them), then settle the helpers' claims into y. */
+static int run_job(job_t job, const void *x, const void *res, void *y, int helpers) {
     if (pool.pinned) {
         const int here = sched_getcpu();
         if (here != pool.caller_cpu) pin_all(here);
     }
-    memcpy(xb, x, (size_t)(M * K) * sizeof(float));
-    if (res) memcpy(rb, res, (size_t)(M * cols) * sizeof(float));
-    const long per_chunk = (blocks + MAX_CHUNKS - 1) / MAX_CHUNKS;
-    const long chunks = (blocks + per_chunk - 1) / per_chunk;
+    const long M = job.M, cols = job.cols, elem = job.elem;
+    job.per_chunk = (job.blocks + MAX_CHUNKS - 1) / MAX_CHUNKS;
+    job.chunks = (job.blocks + job.per_chunk - 1) / job.per_chunk;
+    job.parts = helpers + 1;
     /* Close the last job's counter before rewriting the job: a helper holding a stale copy of
        the job (its chunk count among it) can then never claim in the old generation. */
     __atomic_store_n(&pool.next, ((uint64_t)pool.last_gen << 32) | 0xffffffffu, __ATOMIC_SEQ_CST);
     const uint32_t g = ++pool.last_gen;
-    pool.job = (job_t){.wp = wp, .x = xb, .res = rb, .scratch = sb, .M = M, .N = N, .K = K, .act = act,
-                       .blocks = blocks, .per_chunk = per_chunk, .chunks = chunks, .parts = helpers + 1};
+    pool.job = job;
     __atomic_store_n(&pool.next, (uint64_t)g << 32, __ATOMIC_RELEASE);
     __atomic_store_n(&pool.gen, g, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(&pool.sleeping, __ATOMIC_SEQ_CST)) futex(&pool.gen, FUTEX_WAKE_PRIVATE, helpers);
     const job_t *j = &pool.job;
+    const char *sb = j->scratch;
+    char *yb = (char *)y;
     long c;
     while ((c = claim(g, j)) >= 0) {
         long b0, b1;
         chunk_blocks(j, c, &b0, &b1);
-        ps_bf16w_blocks(x, wp, res, y, M, N, K, act, b0, b1);
+        run_blocks(j, x, res, y, b0, b1);
         __atomic_store_n(&pool.state[c], STATE(g, 0, MINE), __ATOMIC_RELAXED);
     }
     /* Settle the chunks helpers claimed. */
     long wait_from = 0;
-    for (c = 0; c < chunks; c += span(j, c)) {
+    for (c = 0; c < j->chunks; c += span(j, c)) {
         uint64_t s = __atomic_load_n(&pool.state[c], __ATOMIC_ACQUIRE);
         if (s == STATE(g, 0, MINE)) continue;
         for (;;) {
             if ((uint32_t)(s >> 32) == g && (s & 0xff) == DONE) {
                 const long h = (long)((s >> 8) & 0xffffff);
-                long b0, b1, c0, c1;
+                long b0, b1;
                 chunk_blocks(j, c, &b0, &b1);
-                c0 = act ? 16 * b0 : 32 * b0;
-                c1 = act ? 16 * b1 : (32 * b1 < N ? 32 * b1 : N);
-                const float *from = sb + h * M * cols;
+                const long c0 = j->block_cols * b0, c1 = j->block_cols * b1 < cols ? j->block_cols * b1 : cols;
+                const char *from = sb + h * M * cols * elem;
                 for (long r = 0; r < M; r++)
-                    memcpy(y + r * cols + c0, from + r * cols + c0, (size_t)(c1 - c0) * sizeof(float));
+                    memcpy(yb + (r * cols + c0) * elem, from + (r * cols + c0) * elem, (size_t)((c1 - c0) * elem));
                 pool.helped++;
                 break;
             }
@@ -346,7 +452,7 @@ static int shared_job(const float *x, const uint16_t *wp, const float *res, floa
                                             __ATOMIC_ACQUIRE)) {
                 long b0, b1;
                 chunk_blocks(j, c, &b0, &b1);
-                ps_bf16w_blocks(x, wp, res, y, M, N, K, act, b0, b1);
+                run_blocks(j, x, res, y, b0, b1);
                 pool.taken++;
                 break;
             }

@@ -41,6 +41,16 @@ static void rows_block(const uint16_t *x, const uint16_t *wp, const uint16_t *re
     }
 }
 
+/* Output blocks [b0, b1) (two tiles each) of ps_gemm_bf16 on the calling thread, for
+   decode_helpers.c, which shares a call's blocks between the caller and its helper threads (it
+   is handed this function's address). Each block is the same code as in ps_gemm_bf16's loop, so
+   a shared call gives its bits. */
+void ps_bf16_blocks(const uint16_t *x, const uint16_t *wp, const uint16_t *res, void *y, long M, long N, long K,
+                    int out_f32, int act, long b0, long b1) {
+    const long tiles = (N + 15) / 16;
+    for (long b = b0; b < b1; b++) rows_block(x, wp, res, y, M, N, K, out_f32, 2 * b, 2 * b + 1 < tiles, act);
+}
+
 /* y[M][N] = x[M][K] @ W^T (+ res[M][N]); y is bf16, or fp32 when out_f32. With act=1, N is the
    packed gate+up rows (a multiple of 32) and y is [M][N/2] = silu(gate) * up (+ res). */
 int ps_gemm_bf16(const uint16_t *x, const uint16_t *wp, const uint16_t *res, void *y, long M, long N, long K,

@@ -143,8 +143,33 @@ static inline __attribute__((always_inline)) void tile(const int type, const uin
   }
 }
 
+// The two halves of ps_qgemm on one thread, for decode_helpers.c, which shares a call's tiles
+// between the caller and its helper threads: the activation rows quantized once (by the
+// caller), then any range of tiles [t0, t1) by whoever claims it. Each output column is computed
+// by the same row_dot whoever runs it, so a shared call gives ps_qgemm's bits.
+void ps_q_quantize_rows(const float *x, long m, long k, int8_t *q, float *d, float *s) {
+  const long nb = k / QK;
+  for (long i = 0; i < m; i++) quantize_row(x + i * k, k, q + i * k, d + i * nb, s + i * nb);
+}
+
+void ps_q_tiles(int type, const uint8_t *w, long row_bytes, long t0, long t1, long m, long n, long k,
+                const int8_t *q, const float *d, const float *s, const float *residual, float *out) {
+  for (long t = t0; t < t1; t++) {
+    const long j0 = t * TILE_N, j1 = j0 + TILE_N < n ? j0 + TILE_N : n;
+    if (type == T_Q8_0) tile(T_Q8_0, w, row_bytes, j0, j1, m, n, k, q, d, s, residual, out);
+    else if (type == T_Q4_1) tile(T_Q4_1, w, row_bytes, j0, j1, m, n, k, q, d, s, residual, out);
+    else tile(T_Q4_0, w, row_bytes, j0, j1, m, n, k, q, d, s, residual, out);
+  }
+}
+
 static long block_bytes(int type) {
   return type == T_Q8_0 ? 34 : type == T_Q4_1 ? 20 : type == T_Q4_0 ? 18 : 0;
+}
+
+// Whether ps_qgemm takes these arguments (its checks, for decode_helpers.c's shared call).
+int ps_q_args_ok(long m, long n, long k, long row_bytes, int type) {
+  const long bb = block_bytes(type);
+  return bb != 0 && m >= 1 && n >= 1 && k >= QK && k % QK == 0 && row_bytes >= (k / QK) * bb;
 }
 
 // x [m, k] fp32, w [n rows of k/32 blocks, row_bytes apart], residual [m, n] or NULL, out [m, n].
@@ -166,12 +191,7 @@ int ps_qgemm(const float *x, const uint8_t *w, const float *residual, float *out
   for (long i = 0; i < m; i++) quantize_row(x + i * k, k, q + i * k, d + i * nb, s + i * nb);
   const long tiles = (n + TILE_N - 1) / TILE_N;
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (long t = 0; t < tiles; t++) {
-    const long j0 = t * TILE_N, j1 = j0 + TILE_N < n ? j0 + TILE_N : n;
-    if (type == T_Q8_0) tile(T_Q8_0, w, row_bytes, j0, j1, m, n, k, q, d, s, residual, out);
-    else if (type == T_Q4_1) tile(T_Q4_1, w, row_bytes, j0, j1, m, n, k, q, d, s, residual, out);
-    else tile(T_Q4_0, w, row_bytes, j0, j1, m, n, k, q, d, s, residual, out);
-  }
+  for (long t = 0; t < tiles; t++) ps_q_tiles(type, w, row_bytes, t, t + 1, m, n, k, q, d, s, residual, out);
   free(q);
   free(ds);
   return 0;

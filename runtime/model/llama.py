@@ -65,11 +65,11 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.packed: torch.Tensor | None = None  # oneDNN's blocked layout
         self.tiled: torch.Tensor | None = None  # cpu_gemm's layout
-        self._gemm = self._gemm_shared = None  # _gemm_shared: cpu_gemm_avx2.matmul(shared=...)
+        self._gemm = self._gemm_shared = None  # _gemm_shared: cpu_gemm(_avx2).matmul(shared=...)
         self._swiglu = False  # tiled with gate and up tiles alternating (pack_for_cpu(swiglu=True))
         self._bf16w = False  # tiled holds bf16 weights for fp32 activations (cpu_gemm_avx2)
         self.blocks: QuantWeight | None = None  # GGUF blocks served natively (quantized.py)
-        self._qlib = None
+        self._qlib = self._qshared = None  # _qshared: cpu_quant.matmul(shared=...)
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor) -> Linear:
@@ -77,7 +77,7 @@ class Linear(nn.Module):
         nn.Module.__init__(lin)
         lin.out_features = weight.shape[0]
         lin.weight = nn.Parameter(weight, requires_grad=False)
-        lin.packed = lin.tiled = lin._gemm = lin._gemm_shared = lin.blocks = lin._qlib = None
+        lin.packed = lin.tiled = lin._gemm = lin._gemm_shared = lin.blocks = lin._qlib = lin._qshared = None
         lin._swiglu = lin._bf16w = False
         return lin
 
@@ -95,6 +95,9 @@ class Linear(nn.Module):
         if (blocks.out_features, blocks.in_features) != want:
             raise ValueError(f"quantized weight is {blocks.out_features}x{blocks.in_features}, the layer {want}")
         self.blocks, self._qlib = blocks, qlib
+        # The decode helpers' library holds the quantized matmul too, shared like the bf16 one.
+        helpers = build.bf16w_library() if qlib is not None else None
+        self._qshared = helpers.ps_qgemm_shared if helpers is not None else None
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
@@ -105,13 +108,13 @@ class Linear(nn.Module):
             raise RuntimeError("this weight is packed for swiglu(), not for a plain product")
         if self.blocks is not None:
             return cpu_quant.matmul(self._qlib, x, self.blocks.blocks, self.blocks.qtype, residual,
-                                    out_dtype or x.dtype)
+                                    out_dtype or x.dtype, shared=self._qshared)
         if self._bf16w:
             return cpu_gemm_avx2.matmul(self._gemm, x, self.tiled, self.out_features, residual,
                                         shared=self._gemm_shared)
         if self._gemm is not None:
             return cpu_gemm.matmul(self._gemm, x, self.tiled, self.out_features, residual,
-                                   out_dtype or x.dtype)
+                                   out_dtype or x.dtype, shared=self._gemm_shared)
         if self.packed is not None:
             if residual is None:
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
@@ -127,7 +130,8 @@ class Linear(nn.Module):
             return cpu_gemm_avx2.matmul(self._gemm, x, self.tiled, self.out_features, act=cpu_gemm_avx2.SWIGLU,
                                         shared=self._gemm_shared)
         if self._swiglu:
-            return cpu_gemm.matmul(self._gemm, x, self.tiled, self.out_features, act=cpu_gemm.SWIGLU)
+            return cpu_gemm.matmul(self._gemm, x, self.tiled, self.out_features, act=cpu_gemm.SWIGLU,
+                                   shared=self._gemm_shared)
         gate, up = self(x).chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -162,6 +166,7 @@ class Linear(nn.Module):
         lib = build.library()
         if lib is not None and w.shape[1] % 2 == 0:
             self._gemm, layout = lib.ps_gemm_bf16, "cpu_gemm"
+            self._gemm_shared = cpu_gemm.shared_call(lib)
             self._swiglu = swiglu and w.shape[0] % (2 * cpu_gemm.TILE) == 0
             self.tiled = cpu_gemm.pack_swiglu(w) if self._swiglu else cpu_gemm.pack(w)
         elif torch.backends.mkldnn.is_available():

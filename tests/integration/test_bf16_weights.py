@@ -12,6 +12,7 @@ from phasesplit.runtime.engine.model_runner import RunnerConfig
 from phasesplit.runtime.kernels import build
 from phasesplit.runtime.model.llama import Linear
 from tests.greedy import compare, greedy_with_top2
+from tests.kernels import decode_with_and_without_helpers
 from tests.prompts import all_prompt_ids
 
 NEW_TOKENS = 32
@@ -60,25 +61,8 @@ def test_decode_steps_of_one_sequence_share_their_matmuls_with_helpers(auto_engi
     """With sleeping OpenMP waits a decode step of one sequence runs on one thread, its matmuls
     shared with the runner's helper threads (kernels/decode_helpers.c): they take part, and the
     tokens and logits are the same bits as with the step's matmuls on that thread alone."""
-    from phasesplit.runtime.kernels import cpu_gemm_avx2
-    from phasesplit.runtime.request import SamplingParams
-
     runner = auto_engine.runner
     if not runner.small_step_threads:
         pytest.skip("one CPU, or spinning OpenMP waits: decode steps keep all threads and no helpers start")
     assert runner.decode_helpers == runner.threads - 1
-    lib = build.bf16w_library()
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
-    prompt = list(range(3000, 3010))  # under one KV block: no prefix-cache hit on the second run
-    before = cpu_gemm_avx2.helper_stats(lib)[0]
-    def run(tag: str) -> list:
-        return [(o.new_token_ids, o.logprobs) for o in auto_engine.run_to_end(tag, prompt, params)]
-
-    shared = run("shared")
-    assert cpu_gemm_avx2.helper_stats(lib)[0] > before, "no matmul chunk of the decode steps ran on a helper"
-    assert cpu_gemm_avx2.use_helpers(lib, False)
-    try:
-        alone = run("alone")
-    finally:
-        cpu_gemm_avx2.use_helpers(lib, True)
-    assert shared == alone and len(shared) == 24
+    decode_with_and_without_helpers(auto_engine, build.bf16w_library(), "matmul chunk")

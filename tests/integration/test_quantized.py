@@ -17,6 +17,7 @@ from phasesplit.runtime.model.files import builtin_gguf
 from phasesplit.runtime.model.llama import Linear
 from phasesplit.runtime.request import SamplingParams
 from tests.greedy import compare, greedy_with_top2
+from tests.kernels import decode_with_and_without_helpers
 from tests.prompts import all_prompt_ids
 from tests.quant_models import q8_0_copy
 
@@ -86,6 +87,21 @@ def test_native_with_dtype_auto_runs_the_fp32_layer_kernels(prompts: list[list[i
     assert served_formats(auto) == {"q8_0"}
     assert auto.runner.model.layer_f32 is not None and auto.runner.paged_kernel
     compare("q8_0 auto", ref, greedy_with_top2(auto, prompts, NEW_TOKENS), NEW_TOKENS, MAX_MARGIN_MOVE)
+
+
+def test_decode_steps_share_quantized_matmuls_with_helpers() -> None:
+    """With sleeping OpenMP waits a decode step of one sequence runs on one thread; its matmuls on
+    GGUF blocks are shared with the runner's helper threads (kernels/decode_helpers.c), which take
+    part, and the tokens and logprobs are the same bits as with that thread alone."""
+    eng = engine(q8_0_copy(), "q8_0")
+    runner = eng.runner
+    if not runner.small_step_threads:
+        pytest.skip("one CPU, or spinning OpenMP waits: decode steps keep all threads and no helpers start")
+    lib = build.bf16w_library()
+    if lib is None:
+        pytest.skip("the decode helpers' library (AVX2, FMA, F16C) cannot be built here")
+    assert served_formats(eng) == {"q8_0"} and runner.decode_helpers == runner.threads - 1
+    decode_with_and_without_helpers(eng, lib, "quantized matmul tile")
 
 
 def perplexity(eng: LLMEngine, ids: list[int]) -> float:

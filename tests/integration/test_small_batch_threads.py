@@ -1,11 +1,13 @@
 """Under sleeping OpenMP waits (the runtime default, and tests/conftest.py's) a decode step of a
 few sequences runs on one thread; prefill and large batches use them all."""
 
+import pytest
 import torch
 
 from phasesplit.runtime.engine.engine import EngineConfig, LLMEngine
 from phasesplit.runtime.engine.model_runner import SMALL_DECODE_BATCH, RunnerConfig
 from phasesplit.runtime.request import SamplingParams
+from tests.kernels import decode_with_and_without_helpers
 
 
 def test_decode_of_few_sequences_runs_single_threaded() -> None:
@@ -25,3 +27,24 @@ def test_decode_of_few_sequences_runs_single_threaded() -> None:
     assert torch.get_num_threads() == full
     while eng.seqs:
         eng.step()
+
+
+def test_one_sequence_decode_shares_the_cpu_kernels_matmuls_with_helpers() -> None:
+    """dtype auto serves the projections from this CPU's matmul kernel (AVX512-BF16, or bf16
+    weights on AVX2); a decode step of one sequence runs on one thread and shares those matmuls
+    with the runner's helper threads (kernels/decode_helpers.c): they take part, and the tokens
+    and logprobs are the same bits as with that thread alone."""
+    from phasesplit.runtime.kernels import build
+    from phasesplit.runtime.model.llama import Linear
+
+    eng = LLMEngine("smollm2", EngineConfig(runner=RunnerConfig(kv_cache_memory=64 << 20)))
+    runner = eng.runner
+    if not runner.small_step_threads:
+        pytest.skip("one CPU, or spinning OpenMP waits: decode steps keep all threads and no helpers start")
+    lib = build.bf16w_library()
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    if lib is None or not all(m._gemm_shared is not None for m in linears):
+        pytest.skip("no CPU matmul kernel serves the weights here (no AVX2/FMA/F16C or no C compiler): torch's "
+                    "matmuls, no helpers")
+    assert runner.decode_helpers == runner.threads - 1
+    decode_with_and_without_helpers(eng, lib, "matmul block")

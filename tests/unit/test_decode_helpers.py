@@ -1,5 +1,6 @@
-"""The bf16-weight matmul shared by the caller and persistent helper threads (decode_helpers.c)
-against the one-thread kernel, bit for bit: idle, and while another process spins on a CPU."""
+"""The bf16-weight and quantized (GGUF block) matmuls shared by the caller and persistent helper
+threads (decode_helpers.c) against the one-thread kernels, bit for bit: idle, and while another
+process spins on a CPU."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 import pytest
 import torch
 
-from phasesplit.runtime.kernels import build, cpu_gemm_avx2
+from phasesplit.runtime.kernels import build, cpu_gemm_avx2, cpu_quant
 from tests.kernels import built_or_skip
 
 NO_KERNEL = "this CPU lacks AVX2 or FMA, or no C compiler is on PATH: the bf16-weight AVX2 kernel cannot be built here"
@@ -132,3 +133,139 @@ def test_two_threads_calling_at_once_get_their_own_bits(lib) -> None:
     for t in threads:
         t.join()
     assert not bad
+
+
+# GGUF block weights: (type, rows, cols, inner, residual). Tiles of 16 columns; a column tail; the
+# one-tile case (the caller alone); a vocabulary-sized head.
+QCASES = [(cpu_quant.Q8_0, 1, 576, 576, True), (cpu_quant.Q4_0, 2, 1000, 96, False),
+          (cpu_quant.Q4_1, 3, 1536, 576, True), (cpu_quant.Q8_0, 4, 4099, 64, False),
+          (cpu_quant.Q4_1, 1, 16, 64, True), (cpu_quant.Q8_0, 1, 49152, 576, False)]
+
+
+def _qcase(qtype: int, m: int, n: int, k: int, residual: bool, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    blocks = cpu_quant.quantize(torch.randn(n, k, generator=g) * k**-0.5, qtype)
+    return torch.randn(m, k, generator=g), blocks, torch.randn(m, n, generator=g) if residual else None
+
+
+def _q_one_thread(lib, x, blocks, qtype, res) -> torch.Tensor:
+    with build.num_threads(1):
+        return cpu_quant.matmul(lib, x, blocks, qtype, res)  # no `shared`: ps_qgemm on one thread
+
+
+def _q_shared(lib, x, blocks, qtype, res) -> torch.Tensor:
+    with build.num_threads(1):
+        return cpu_quant.matmul(lib, x, blocks, qtype, res, shared=lib.ps_qgemm_shared)
+
+
+@pytest.mark.parametrize(("qtype", "m", "n", "k", "residual"), QCASES)
+def test_shared_quantized_matmul_gives_the_one_thread_kernels_bits(lib, qtype, m, n, k, residual) -> None:
+    x, blocks, res = _qcase(qtype, m, n, k, residual, seed=qtype * 31 + m * 7919 + n + k)
+    want = _q_one_thread(lib, x, blocks, qtype, res)
+    for _ in range(20):
+        assert torch.equal(_q_shared(lib, x, blocks, qtype, res), want)
+
+
+def test_helpers_take_part_in_quantized_matmuls(lib) -> None:
+    x, blocks, res = _qcase(cpu_quant.Q8_0, 1, 8192, 576, True, seed=4)
+    want = _q_one_thread(lib, x, blocks, cpu_quant.Q8_0, res)
+    before = cpu_gemm_avx2.helper_stats(lib)[0]
+    deadline = time.monotonic() + 10
+    while cpu_gemm_avx2.helper_stats(lib)[0] == before and time.monotonic() < deadline:
+        assert torch.equal(_q_shared(lib, x, blocks, cpu_quant.Q8_0, res), want)
+    assert cpu_gemm_avx2.helper_stats(lib)[0] > before, "no tile was computed by a helper in 10 s"
+
+
+def test_jobs_of_both_kinds_in_turn_and_beside_a_spinner(lib) -> None:
+    """A decode step of a model with some projections in GGUF blocks and others in bf16 alternates
+    the two kinds of job; a helper late from one kind must never mix it into the next. Beside a
+    spinning process, so that helpers are descheduled mid-claim now and then."""
+    cpus = sorted(os.sched_getaffinity(0))
+    spinner = subprocess.Popen(["taskset", "-c", str(cpus[-1]), sys.executable, "-c", "while True: pass"]
+                               if shutil.which("taskset") else [sys.executable, "-c", "while True: pass"])
+    try:
+        bf = [_case(1, 1536, 576, True, cpu_gemm_avx2.NONE, seed=41), _case(2, 3072, 576, False, cpu_gemm_avx2.SWIGLU,
+                                                                           seed=42)]
+        bf_want = [_one_thread(lib, x, p, n, r, a) for (x, p, r), n, a in zip(bf, (1536, 3072),
+                                                                              (cpu_gemm_avx2.NONE, cpu_gemm_avx2.SWIGLU),
+                                                                              strict=True)]
+        q = [_qcase(cpu_quant.Q8_0, 1, 960, 576, True, seed=43), _qcase(cpu_quant.Q4_1, 2, 576, 1536, False, seed=44)]
+        q_want = [_q_one_thread(lib, x, b, t, r) for (x, b, r), t in zip(q, (cpu_quant.Q8_0, cpu_quant.Q4_1),
+                                                                         strict=True)]
+        deadline = time.monotonic() + 3
+        rounds = 0
+        while time.monotonic() < deadline:
+            for i in (0, 1):
+                (x, p, r), n, a = bf[i], (1536, 3072)[i], (cpu_gemm_avx2.NONE, cpu_gemm_avx2.SWIGLU)[i]
+                assert torch.equal(_shared(lib, x, p, n, r, a), bf_want[i])
+                (x, b, r), t = q[i], (cpu_quant.Q8_0, cpu_quant.Q4_1)[i]
+                assert torch.equal(_q_shared(lib, x, b, t, r), q_want[i])
+            rounds += 1
+        assert rounds > 1
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+NO_BF16 = "this CPU lacks AVX512-BF16 (or no C compiler is on PATH): the bf16 kernels of gemm_bf16.c do not run here"
+# AVX512-BF16 kernel (gemm_bf16.c, another library, handed over by address): (rows, cols, inner,
+# residual, act, fp32 out).
+BCASES = [(1, 576, 576, False, cpu_gemm_avx2.NONE, False), (2, 960, 576, True, cpu_gemm_avx2.NONE, True),
+          (1, 4099, 64, True, cpu_gemm_avx2.NONE, False),  # a column tail in the last block
+          (1, 3072, 576, False, cpu_gemm_avx2.SWIGLU, False), (2, 1536, 96, True, cpu_gemm_avx2.SWIGLU, True),
+          (1, 49152, 576, False, cpu_gemm_avx2.NONE, True),  # a vocabulary-sized head, fp32 logits
+          (1, 17, 66, True, cpu_gemm_avx2.NONE, False)]  # one block: the caller alone
+
+
+@pytest.fixture(scope="module")
+def native(lib):
+    from phasesplit.runtime.kernels import cpu_gemm
+
+    native = build.library()
+    if native is None:
+        pytest.skip(NO_BF16)
+    return native, cpu_gemm, cpu_gemm.shared_call(native)
+
+
+def _bcase(cpu_gemm, m, n, k, residual, act, f32, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * k**-0.5).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    cols = n // 2 if act == cpu_gemm.SWIGLU else n
+    res = torch.randn(m, cols, generator=g).bfloat16() if residual else None
+    packed = cpu_gemm.pack_swiglu(w) if act == cpu_gemm.SWIGLU else cpu_gemm.pack(w)
+    return x, packed, res, torch.float32 if f32 else torch.bfloat16
+
+
+def _b(native, shared, x, packed, n, res, out_dtype, act) -> torch.Tensor:
+    lib, cpu_gemm, call = native
+    with build.num_threads(1):
+        return cpu_gemm.matmul(lib.ps_gemm_bf16, x, packed, n, res, out_dtype, act, shared=call if shared else None)
+
+
+@pytest.mark.parametrize(("m", "n", "k", "residual", "act", "f32"), BCASES)
+def test_shared_bf16_matmul_gives_the_one_thread_kernels_bits(native, m, n, k, residual, act, f32) -> None:
+    x, packed, res, out_dtype = _bcase(native[1], m, n, k, residual, act, f32, seed=m * 7919 + n + k + f32)
+    want = _b(native, False, x, packed, n, res, out_dtype, act)
+    for _ in range(20):
+        assert torch.equal(_b(native, True, x, packed, n, res, out_dtype, act), want)
+
+
+def test_helpers_take_part_in_bf16_matmuls_and_every_kind_in_turn(lib, native) -> None:
+    """A helper computes some of the AVX512-BF16 kernel's blocks; calls of the three kinds in turn
+    (a late helper must never carry one kind's job into the next) keep their bits."""
+    x, packed, res, out_dtype = _bcase(native[1], 1, 8192, 576, True, cpu_gemm_avx2.NONE, False, seed=51)
+    want = _b(native, False, x, packed, 8192, res, out_dtype, cpu_gemm_avx2.NONE)
+    before = cpu_gemm_avx2.helper_stats(lib)[0]
+    deadline = time.monotonic() + 10
+    while cpu_gemm_avx2.helper_stats(lib)[0] == before and time.monotonic() < deadline:
+        assert torch.equal(_b(native, True, x, packed, 8192, res, out_dtype, cpu_gemm_avx2.NONE), want)
+    assert cpu_gemm_avx2.helper_stats(lib)[0] > before, "no block was computed by a helper in 10 s"
+    xf, pf, rf = _case(1, 1536, 576, True, cpu_gemm_avx2.NONE, seed=52)
+    f_want = _one_thread(lib, xf, pf, 1536, rf, cpu_gemm_avx2.NONE)
+    xq, bq, rq = _qcase(cpu_quant.Q8_0, 1, 960, 576, True, seed=53)
+    q_want = _q_one_thread(lib, xq, bq, cpu_quant.Q8_0, rq)
+    for _ in range(50):
+        assert torch.equal(_b(native, True, x, packed, 8192, res, out_dtype, cpu_gemm_avx2.NONE), want)
+        assert torch.equal(_shared(lib, xf, pf, 1536, rf, cpu_gemm_avx2.NONE), f_want)
+        assert torch.equal(_q_shared(lib, xq, bq, cpu_quant.Q8_0, rq), q_want)
