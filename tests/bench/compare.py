@@ -11,6 +11,8 @@ Split and colocated sweep each workload's request rate up to past colocated's kn
 knee points (measure()); goodput is counted under a standard and a tight ITL SLO.
 
 Usage: python tests/bench/compare.py [--systems split,colocated,llamacpp,vllm] [--quick]
+(`replicas` in --systems adds the other equal-cores baseline: two colocated workers of one core
+each behind the router, `phasesplit up --colocated 2 --pin-cpus`.)
 Peers come from hack/bench-peers.sh.
 """
 
@@ -28,6 +30,7 @@ import socket
 import subprocess
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,6 +73,7 @@ MAX_SWEEP = 8
 REPEATS = 3
 # Peers at a subset of the same rates, so colocated has numbers beside theirs.
 PEER_WORKLOADS = {"mixed": [0.25, 0.5], "decode-heavy": [0.125, 0.25]}
+OURS = ("colocated", "split", "adaptive", "replicas")  # phasesplit's own systems, swept side by side
 SECONDS_PER_POINT = 30  # measured requests per point = rate x this, within [MIN, MAX]
 MIN_PROMPTS, MAX_PROMPTS = 8, 48
 POINT_LIMIT_S = 120  # a point that has not finished by then is cut (an overloaded server)
@@ -139,6 +143,15 @@ def systems(port: int) -> dict[str, System]:
                         [PHASESPLIT, "up", "--pin-cpus", *common]),
         "colocated": System("colocated", "phasesplit colocated (one worker, both cores)",
                             [PHASESPLIT, "up", "--colocated", *common]),
+        # Opt-in (--systems ...,adaptive): split whose decode worker prefills a prompt itself when that
+        # gives the first token sooner (short prompts, a queued prefill worker) within the ITL target.
+        "adaptive": System("adaptive", "phasesplit split with adaptive placement (1 prefill + 1 decode, one core "
+                           "each; the decode worker prefills a prompt itself when that is sooner)",
+                           [PHASESPLIT, "up", "--pin-cpus", "--prefill-placement", "adaptive", *common]),
+        # Opt-in (--systems ...,replicas): the other equal-cores baseline, one engine per core as a
+        # GPU deployment runs one per device, so a lone request's prefill also gets one core.
+        "replicas": System("replicas", "phasesplit colocated replicas (2 workers behind the router, one core each)",
+                           [PHASESPLIT, "up", "--colocated", "2", "--pin-cpus", *common]),
         "llamacpp": System("llamacpp", "llama.cpp server (llama-cpp-python, F16, 2 threads)",
                            [str(llama_py), "-m", "llama_cpp.server", "--model", str(F16_GGUF),
                             "--model_alias", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
@@ -157,7 +170,7 @@ def systems(port: int) -> dict[str, System]:
 
 
 def versions(sys_name: str) -> str:
-    if sys_name in ("split", "colocated"):
+    if sys_name in OURS:
         commit = _out(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"])
         # The editable install runs the working tree, which may hold others' uncommitted work.
         if _out(["git", "-C", str(ROOT), "status", "--porcelain", "--", "runtime"]):
@@ -219,11 +232,19 @@ def n_prompts(rate: float, scale: float) -> int:
     return max(MIN_PROMPTS, min(MAX_PROMPTS, round(rate * SECONDS_PER_POINT * scale)))
 
 
-def bench_command(system: System, url: str, workload: str, rate: float, n: int, out: Path) -> list[str]:
+def point_seed(workload: str, rate: float, rep: int) -> int:
+    """The bench's seed for one point: its prompts and arrival times. A server serves several
+    points in a row, and the bench draws prompt text from its seed, so points must differ in it
+    (with one seed every point after the first was a prefix-cache hit); systems measured at the
+    same point get the same requests. Pure."""
+    return zlib.crc32(f"{workload}/{rate:g}/{rep}".encode())
+
+
+def bench_command(system: System, url: str, workload: str, rate: float, n: int, out: Path, rep: int = 1) -> list[str]:
     return [PHASESPLIT, "bench", "--url", url, "--model", MODEL_NAME, "--tokenizer", system.tokenizer,
             *WORKLOADS[workload], "--request-rate", f"{rate:g}", "--num-prompts", str(n), "--slo", SLO,
-            "--warmup", "2", "--seed", "0", "--timeout", "300", "--label", system.name, "--no-progress",
-            "--output-json", str(out)]
+            "--warmup", "2", "--seed", str(point_seed(workload, rate, rep)), "--timeout", "300",
+            "--label", system.name, "--no-progress", "--output-json", str(out)]
 
 
 def run_point(cmd: list[str]) -> tuple[int | None, str]:
@@ -270,7 +291,7 @@ def measure(names: list[str], results: Path, scale: float, only_workloads: list[
         system = systems(port)[name]
         metas[name] = {"system": name, "title": system.title, "command": system.command, "env": system.env,
                        "version": versions(name), "error": None, "points": [], "start_s": [], "load_before": []}
-    ours = [n for n in ("colocated", "split") if n in names]
+    ours = [n for n in OURS if n in names]  # colocated first: the others start from its rates
     deadline = time.monotonic() + budget_s
     ctx = dict(url=url, results=results, scale=scale, max_load=max_load, max_wait_s=max_wait_s, deadline=deadline)
     try:
@@ -349,7 +370,7 @@ def _unit(name: str, workload: str, rates: list[float] | None, rep: int, meta: d
                 meta["skipped"] = meta.get("skipped", []) + [f"{workload} @ {rate:g}/s run {rep} (time budget used up)"]
                 break
             out = results / f"{name}--{workload}--{rate:g}--{rep}.json"
-            cmd = bench_command(system, url, workload, rate, n_prompts(rate, scale), out)
+            cmd = bench_command(system, url, workload, rate, n_prompts(rate, scale), out, rep)
             print(f"[compare] {name} {workload} @ {rate:g}/s run {rep}", file=sys.stderr, flush=True)
             rc, err = run_point(cmd)
             meta["points"].append({"workload": workload, "rate": rate, "rep": rep, "json": out.name,
@@ -461,7 +482,7 @@ def _breakdown(data: dict, workload: str) -> list[str]:
 
     rows = ["| system | knee rate (req/s) | TTFT p50 | queued | prefill (server) | kv_transfer | way out | decode |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for name in ("split", "colocated"):
+    for name in OURS:
         pts = {r: runs for (w, r), runs in data.get(name, {}).get("points", {}).items() if w == workload}
         if not pts:
             continue
@@ -485,29 +506,30 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x"
 
 
-def _verdicts(data: dict, workload: str) -> list[str]:
-    """Plain statements from the numbers: split against colocated at each common rate, under each
-    SLO; with repeats, "within noise" where the two ranges overlap."""
-    split, colo = data.get("split", {}).get("points", {}), data.get("colocated", {}).get("points", {})
+def _verdicts(data: dict, workload: str, base: str = "colocated", name: str = "split") -> list[str]:
+    """Plain statements from the numbers: `name` (split, or split with adaptive placement) against
+    `base` (colocated, or its replicas) at each common rate, under each SLO; with repeats, "within
+    noise" where the two ranges overlap."""
+    mine, theirs = data.get(name, {}).get("points", {}), data.get(base, {}).get("points", {})
     lines = []
-    for (w, rate) in sorted(k for k in split if k in colo and k[0] == workload):
+    for (w, rate) in sorted(k for k in mine if k in theirs and k[0] == workload):
         parts = []
         for label, slo in SLOS.items():
-            a = [_goodput(run, slo)[0] for run in split[(w, rate)]]
-            b = [_goodput(run, slo)[0] for run in colo[(w, rate)]]
+            a = [_goodput(run, slo)[0] for run in mine[(w, rate)]]
+            b = [_goodput(run, slo)[0] for run in theirs[(w, rate)]]
             ma, mb = sum(a) / len(a), sum(b) / len(b)
             if round(ma, 2) == round(mb, 2):
-                how = "the same"
+                how = "the same as"
             elif min(a) <= max(b) and min(b) <= max(a) and (len(a) > 1 or len(b) > 1):
                 how = "within noise of"
             else:
                 how = "more than" if ma > mb else "less than"
-            parts.append(f"{label} goodput {how} colocated's ({ma:.2f} vs {mb:.2f} req/s, {_ratio(ma, mb)})")
-        la, lb = _pooled(split[(w, rate)]), _pooled(colo[(w, rate)])
-        lines.append(f"- {rate:g} req/s: split's {'; '.join(parts)}; ITL p99 {_ms(la['itl']['p99'])} vs "
-                     f"{_ms(lb['itl']['p99'])} ms (colocated/split {_ratio(lb['itl']['p99'], la['itl']['p99'])}); "
+            parts.append(f"{label} goodput {how} {base}'s ({ma:.2f} vs {mb:.2f} req/s, {_ratio(ma, mb)})")
+        la, lb = _pooled(mine[(w, rate)]), _pooled(theirs[(w, rate)])
+        lines.append(f"- {rate:g} req/s: {name}'s {'; '.join(parts)}; ITL p99 {_ms(la['itl']['p99'])} vs "
+                     f"{_ms(lb['itl']['p99'])} ms ({base}/{name} {_ratio(lb['itl']['p99'], la['itl']['p99'])}); "
                      f"TTFT p50 {_ms(la['ttft']['p50'])} vs {_ms(lb['ttft']['p50'])} ms.")
-        ka, kb = split[(w, rate)][0].get("by_kind", {}), colo[(w, rate)][0].get("by_kind", {})
+        ka, kb = mine[(w, rate)][0].get("by_kind", {}), theirs[(w, rate)][0].get("by_kind", {})
         if "chat" in ka and "chat" in kb:
             lines[-1] += (f" Chat requests alone (first run): ITL p99 {_ms(ka['chat']['itl_s']['p99'])} vs "
                           f"{_ms(kb['chat']['itl_s']['p99'])} ms, TTFT p50 {_ms(ka['chat']['ttft_s']['p50'])} vs "
@@ -554,7 +576,8 @@ def render(results: Path, img_dir: Path) -> str:
                 for p in m["points"] if (results / p["json"]).is_file()), default="?")
     L = [BEGIN, "## Serving", "",
          "Online serving measured with `phasesplit bench` (streaming requests, open-loop Poisson arrivals, "
-         "2 warm-up requests excluded, seed 0, new prompt text at every point so prefix caches never help). "
+         "2 warm-up requests excluded, a seed per point (workload, rate, run): no point reuses another's "
+         "prompt text, so prefix caches never help). "
          f"Same model everywhere: SmolLM2-135M-Instruct from the bundled GGUF. Machine: {cpu}, "
          f"{os.cpu_count()} cores, {platform.system()} {platform.release()}. Run finished {when}.",
          "",
@@ -596,16 +619,25 @@ def render(results: Path, img_dir: Path) -> str:
     for workload in WORKLOADS:
         shown = " ".join(WORKLOADS[workload]).replace(str(ROOT.parent), "..")
         L += [f"#### {workload}: `{shown}`", ""]
-        L += _table(data, workload, ["split", "colocated"]) + [""]
-        verdicts = _verdicts(data, workload)
-        if verdicts:
-            L += verdicts + [""]
+        ours = [n for n in OURS if n in data]
+        L += _table(data, workload, ours) + [""]
+        # Split against colocated first, then the opt-in systems where they were measured.
+        for name, base, heading in (("split", "colocated", []),
+                                    ("adaptive", "colocated", ["Split with adaptive placement against colocated:", ""]),
+                                    ("split", "replicas", ["Split against the colocated replicas (one core each):", ""])):
+            verdicts = _verdicts(data, workload, base, name)
+            if verdicts:
+                L += heading + verdicts + [""]
         breakdown = _breakdown(data, workload)
         if breakdown:
             L += ["Time to first token at each system's knee (medians):", ""] + breakdown + [""]
-        L += _plots(data, workload, ["split", "colocated"], "split-vs-colocated", img_dir) + [""]
+        L += _plots(data, workload, ours, "split-vs-colocated", img_dir) + [""]
     L += ["### phasesplit colocated vs llama.cpp and vLLM", ""]
-    for workload in PEER_WORKLOADS:
+    peers = any(peer in data for peer in ("llamacpp", "vllm"))
+    if not peers:
+        L += ["Not measured in this run (`hack/bench-compare.sh --systems colocated,llamacpp,vllm` installs and "
+              "measures them; the engine comparison with them is under Engine below).", ""]
+    for workload in PEER_WORKLOADS if peers else ():
         L += [f"#### {workload}", ""]
         L += _table(data, workload, ["colocated", "llamacpp", "vllm"]) + [""]
         L += _plots(data, workload, ["colocated", "llamacpp", "vllm"], "engines", img_dir) + [""]
@@ -684,7 +716,7 @@ def main() -> int:
     args = ap.parse_args()
     if not args.render_only:
         names = [s.strip() for s in args.systems.split(",") if s.strip()]
-        unknown = set(names) - {"split", "colocated", "llamacpp", "vllm"}
+        unknown = set(names) - {*OURS, "llamacpp", "vllm"}
         if unknown:
             ap.error(f"unknown systems: {sorted(unknown)}")
         workloads = args.workloads.split(",") if args.workloads else None

@@ -6,6 +6,12 @@ Starts `phasesplit up --pin-cpus` (prefill on core 0, decode on core 1), drives 
 `phasesplit bench --workload mixed` (steady short chats plus a ~1600-token document now and
 then), stops it, then does the same against `phasesplit up --colocated` (one worker, both
 cores). Prints chat-request ITL and TTFT p50/p99 for both, the ITL p99 ratio and the TTFT cost.
+
+    ... interference.py --heavy [--chats 3 --doc-every 4 --doc-input-len 1800 --duration 60]
+
+The heavy case (issue 19 acceptance 3): three chat streams back to back (a closed loop of three)
+while a different ~1800-token document arrives every 4 s (a second bench process, nearly even
+gaps), on the same two systems; the documents stop when the chats are done.
 """
 
 from __future__ import annotations
@@ -25,7 +31,10 @@ import httpx
 BIN = Path(sys.executable).with_name("phasesplit")
 
 
-def run_one(label: str, up_args: list[str], bench_args: list[str], out: Path, port: int) -> dict:
+def run_one(label: str, up_args: list[str], bench_args: list[str], out: Path, port: int,
+            beside: list[str] | None = None) -> dict:
+    """One system: start it, run the bench (and `beside`, a second bench alongside, cut with SIGINT
+    once the first is done: it keeps what finished), stop it. Returns the first bench's JSON."""
     up = subprocess.Popen([str(BIN), "up", "--port", str(port), "--log-level", "warning", *up_args],
                           start_new_session=True)
     try:
@@ -40,8 +49,19 @@ def run_one(label: str, up_args: list[str], bench_args: list[str], out: Path, po
                 raise SystemExit(f"{label}: phasesplit up did not become ready")
             time.sleep(0.5)
         path = out / f"{label}.json"
-        subprocess.run([str(BIN), "bench", "--url", f"http://127.0.0.1:{port}", *bench_args,
-                        "--label", label, "--output-json", str(path), "--no-progress"], check=True)
+        url = f"http://127.0.0.1:{port}"
+        other = None
+        if beside:
+            other = subprocess.Popen([str(BIN), "bench", "--url", url, *beside, "--label", f"{label}-docs",
+                                      "--output-json", str(out / f"{label}-docs.json"), "--no-progress"],
+                                     stdout=subprocess.DEVNULL)
+        try:
+            subprocess.run([str(BIN), "bench", "--url", url, *bench_args,
+                            "--label", label, "--output-json", str(path), "--no-progress"], check=True)
+        finally:
+            if other is not None:
+                other.send_signal(signal.SIGINT)
+                other.wait(timeout=120)
         return json.loads(path.read_text())
     finally:
         os.killpg(up.pid, signal.SIGTERM)  # the workers drain (nothing is in flight) and exit
@@ -53,7 +73,22 @@ def run_one(label: str, up_args: list[str], bench_args: list[str], out: Path, po
 
 
 def chat_stats(doc: dict) -> dict:
-    return doc["runs"][0]["by_kind"]["chat"]
+    run = doc["runs"][0]
+    return run.get("by_kind", {}).get("chat") or run["summary"]  # --heavy: the chat bench is all chats
+
+
+def heavy_args(a: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The chat loop's and the documents' bench arguments for --heavy."""
+    chat_s = 64 * 0.06  # a 64-token answer at ~60 ms a token: roughly how long one chat takes
+    n_chats = max(12, round(a.chats * a.duration / chat_s))
+    chats = ["--input-len", "64", "--output-len", "64", "--range-ratio", "0", "--request-rate", "inf",
+             "--max-concurrency", str(a.chats), "--num-prompts", str(n_chats), "--warmup", str(a.chats),
+             "--seed", "1"]
+    # Enough documents to outlast the chats; a gamma shape of 1000 makes the gaps nearly even.
+    docs = ["--input-len", str(a.doc_input_len), "--output-len", "8", "--range-ratio", "0.05",
+            "--request-rate", f"{1 / a.doc_every:g}", "--burstiness", "1000",
+            "--num-prompts", str(round(4 * a.duration / a.doc_every)), "--warmup", "0", "--seed", "2"]
+    return chats, docs
 
 
 def main() -> None:
@@ -63,15 +98,30 @@ def main() -> None:
     ap.add_argument("--doc-fraction", type=float, default=0.1)
     ap.add_argument("--doc-input-len", type=int, default=1600)
     ap.add_argument("--port", type=int, default=8100)
+    ap.add_argument("--heavy", action="store_true",
+                    help="chat streams back to back plus a document every --doc-every seconds")
+    ap.add_argument("--chats", type=int, default=3, help="--heavy: chat streams")
+    ap.add_argument("--doc-every", type=float, default=4.0, help="--heavy: seconds between documents")
+    ap.add_argument("--duration", type=float, default=60.0, help="--heavy: about how long the chats run")
+    ap.add_argument("--placement", choices=("static", "adaptive"), default="static",
+                    help="split's --prefill-placement (adaptive: short prompts may be prefilled on the decode worker)")
     a = ap.parse_args()
-    bench = ["--workload", "mixed", "--num-prompts", str(a.num_prompts), "--request-rate", str(a.rate),
-             "--chat-input-len", "64", "--chat-output-len", "64", "--doc-input-len", str(a.doc_input_len),
-             "--doc-output-len", "8", "--doc-fraction", str(a.doc_fraction), "--warmup", "4", "--seed", "1"]
+    if a.heavy:
+        a.doc_input_len = 1800 if a.doc_input_len == 1600 else a.doc_input_len
+        bench, docs = heavy_args(a)
+        what = f"{a.chats} chat streams back to back, a {a.doc_input_len}-token document every {a.doc_every:g} s"
+    else:
+        bench = ["--workload", "mixed", "--num-prompts", str(a.num_prompts), "--request-rate", str(a.rate),
+                 "--chat-input-len", "64", "--chat-output-len", "64", "--doc-input-len", str(a.doc_input_len),
+                 "--doc-output-len", "8", "--doc-fraction", str(a.doc_fraction), "--warmup", "4", "--seed", "1"]
+        docs = None
+        what = f"{a.doc_input_len}-token documents ({a.doc_fraction:.0%} of {a.rate} req/s)"
     out = Path(tempfile.mkdtemp(prefix="interference-"))
     results = {}
-    for label, up_args in (("split", ["--pin-cpus"]), ("colocated", ["--colocated"])):
-        results[label] = chat_stats(run_one(label, up_args, bench, out, a.port))
-    print(f"\nchat requests under {a.doc_input_len}-token documents ({a.doc_fraction:.0%} of {a.rate} req/s):")
+    split_args = ["--pin-cpus", "--prefill-placement", a.placement]
+    for label, up_args in (("split", split_args), ("colocated", ["--colocated"])):
+        results[label] = chat_stats(run_one(label, up_args, bench, out, a.port, beside=docs))
+    print(f"\nload average {os.getloadavg()[0]:.2f} after; chat requests under {what}:")
     print(f"{'':10} {'ITL p50':>9} {'ITL p99':>9} {'TTFT p50':>9} {'TTFT p99':>9}  (ms)")
     for label, s in results.items():
         itl, ttft = s["itl_s"], s["ttft_s"]

@@ -60,3 +60,13 @@ def test_the_knee_prefers_the_lower_rate_on_a_tie_and_rates_step_geometrically()
     assert compare.knee([]) is None
     assert compare.knee(_pts((0.5, 0.4, 1.0, False), (0.75, 0.4, 0.6, False))) == 0.5
     assert compare.next_rate(0.25) == 0.375 and compare.next_rate(0.375) == 0.562
+
+
+def test_each_point_sends_its_own_prompts_and_systems_share_them():
+    seeds = {(w, r, rep): compare.point_seed(w, r, rep) for w in compare.WORKLOADS for r in (0.25, 0.375, 0.562)
+             for rep in (1, 2, 3)}
+    assert len(set(seeds.values())) == len(seeds)  # a server serving points in a row never sees a prompt again
+    assert compare.point_seed("mixed", 0.375, 2) == compare.point_seed("mixed", 0.375, 2)
+    system = compare.systems(8000)["split"]
+    cmd = compare.bench_command(system, "http://x", "mixed", 0.375, 8, Path("o.json"), rep=2)
+    assert cmd[cmd.index("--seed") + 1] == str(compare.point_seed("mixed", 0.375, 2))
