@@ -227,9 +227,12 @@ def test_sigterm_drains_prefill_and_decode_workers(stack, prompts):
           f"{t_end - t_prefill:.1f}s after SIGTERM at the latest, decode exited {decode_rc} "
           f"{t_end - t_decode:.1f}s after SIGTERM at the latest")
     # A prefill that arrived after SIGTERM is refused (503) and redone locally by the decode
-    # worker (policy retry-local); one the prefill worker had taken must not be cut.
+    # worker (policy retry-local); one the prefill worker had taken must not be cut. Once the
+    # prefill worker has drained and exited, a call finds no listener (httpx's ConnectError):
+    # refused too, since nothing was taken (CI saw it when the drain ended before the last prompt).
+    refused = ("HTTP 503", "All connection attempts failed")
     failed = [x for x in decode.tail(200_000).splitlines() if "remote prefill of" in x and "failed" in x]
-    cut = [x for x in failed if "HTTP 503" not in x]
+    cut = [x for x in failed if not any(r in x for r in refused)]
     print(f"prefills refused while draining: {len(failed) - len(cut)}, cut: {len(cut)}")
     assert done == n, outs
     assert cut == [], cut[:3]
