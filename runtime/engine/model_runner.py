@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from phasesplit.runtime.engine.cpu_decode_step import CpuDecodeStep
 from phasesplit.runtime.engine.cuda_graphs import DecodeGraphs
 from phasesplit.runtime.engine.scheduler import ScheduledBatch
 from phasesplit.runtime.engine.sequence import Sequence
@@ -256,6 +257,9 @@ class ModelRunner:
         # The batch rule was measured with the bf16 kernels; the AVX2 fp32 path keeps the torch rule.
         self.small_decode_batch = (KERNEL_SMALL_DECODE_BATCH if self.paged_kernel and self.dtype == torch.bfloat16
                                    else SMALL_DECODE_BATCH)
+        # Decode-only steps on the AVX2 fp32 path: all layers in one C call (cpu_decode_step.py).
+        self.cpu_step = (CpuDecodeStep.create(model, self.kv_cache, self.block_size, self.paged_kernel)
+                         if self.device.type == "cpu" and self.tp_size == 1 else None)
         self.decode_helpers = self._start_decode_helpers(
             sum(layouts.get(name, 0) for name in ("bf16w_avx2", "cpu_gemm", *cpu_quant.NAMES.values())))
         if self.ranks is not None:
@@ -350,6 +354,8 @@ class ModelRunner:
         logits = None
         if self.graphs is not None and decode and not batch.prefill and stream is None:
             logits = self.graphs.run(decode, ids)
+        elif self.cpu_step is not None and decode and not batch.prefill and stream is None:
+            logits = self.cpu_step.run(decode, ids, lambda: self._forward(ids, pos, logits_rows, decode, [], None))
         if logits is None:
             if self.ranks is not None:
                 self.ranks.send(("step", ids, pos, decode, prefill_meta, [r.tolist() for r in reads]))

@@ -1,11 +1,12 @@
 """Compile the C kernels in this folder once, cache the libraries, load them.
 
-Four libraries, each built only for the instruction sets it names and loaded only on a CPU that
+Three libraries, each built only for the instruction sets it names and loaded only on a CPU that
 has them: the bf16 kernels (AVX512-BF16; `library()`), the quantized-weight matmuls
 (AVX2 + FMA + F16C; `quant_library()`, see cpu_quant.py), which also run where bf16 does not,
-the bf16-weight fp32 matmul for AVX2 CPUs without AVX512-BF16 (`bf16w_library()`, see
-cpu_gemm_avx2.py), and beside it the fp32 norm, RoPE and decode attention (`layer_f32_library()`,
-see cpu_layer_f32.py).
+and the AVX2 fp32-activation path for CPUs without AVX512-BF16: the bf16-weight matmul
+(`bf16w_library()`, see cpu_gemm_avx2.py), the decode helpers, and in the same library the fp32
+norm, RoPE, decode attention and SwiGLU (`layer_f32_library()`, see cpu_layer_f32.py) and the
+one-call decode step over all of them (cpu_decode_step.py).
 
 The sources are compiled with the system's C compiler on first use and cached under
 `~/.cache/phasesplit/kernels/`, keyed by the sources and flags, so later starts only load the
@@ -63,11 +64,12 @@ QUANT = Spec("phasesplit_quant", (Path(__file__).with_name("quant_gemm.c"),), ()
 # shared out to persistent helper threads for decode steps of a few rows (decode_helpers.c).
 BF16W = Spec("phasesplit_bf16w", (Path(__file__).with_name("gemm_bf16w_avx2.c"),
                                   Path(__file__).with_name("quant_gemm.c"),
-                                  Path(__file__).with_name("decode_helpers.c")), (),
+                                  Path(__file__).with_name("decode_helpers.c"),
+                                  # a layer's other fp32 ops (cpu_layer_f32.py), and the whole decode
+                                  # step over them and the matmuls in one call (cpu_decode_step.py)
+                                  Path(__file__).with_name("layer_f32_avx2.c"),
+                                  Path(__file__).with_name("decode_step_f32.c")), (),
              ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-pthread", "-fPIC", "-shared"), ("avx2", "fma", "f16c"))
-# Beside it, the fp32 norm, RoPE + K/V write and decode attention of a layer (cpu_layer_f32.py).
-LAYER_F32 = Spec("phasesplit_layer_f32", (Path(__file__).with_name("layer_f32_avx2.c"),), (), BF16W.flags,
-                 BF16W.cpu_flags)
 
 
 class KernelUnavailable(RuntimeError):
@@ -171,11 +173,22 @@ def bf16w_library() -> ctypes.CDLL | None:
 
 @cache
 def layer_f32_library() -> ctypes.CDLL | None:
-    """The fp32 RMSNorm, RoPE + K/V write and decode attention for AVX2 CPUs (cpu_layer_f32.py),
-    or None where they cannot be used here (the reason is logged once; torch's ops then run)."""
+    """The fp32 RMSNorm, RoPE + K/V write, decode attention and SwiGLU for AVX2 CPUs
+    (cpu_layer_f32.py), or None where they cannot be used here (the reason is logged once; torch's
+    ops then run). They are built into bf16w_library()'s file, so the one-call decode step runs
+    the very code the layer-by-layer forward does."""
     from phasesplit.runtime.kernels import cpu_layer_f32
 
-    return _checked(LAYER_F32, cpu_layer_f32, "fp32 layer kernels for AVX2")
+    lib = bf16w_library()
+    if lib is None:
+        return None
+    try:
+        cpu_layer_f32.declare(lib)
+        cpu_layer_f32.self_check(lib)
+    except KernelUnavailable as e:
+        log.info("fp32 layer kernels for AVX2 not used: %s", e)
+        return None
+    return lib
 
 
 def _checked(spec: Spec, kernel, what: str) -> ctypes.CDLL | None:
@@ -234,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no C compiler (cc, gcc or clang) on PATH", flush=True)
         return 1
     try:
-        for spec in (BF16, QUANT, BF16W, LAYER_F32):
+        for spec in (BF16, QUANT, BF16W):
             print(build(cc, args.dir, spec))
     except KernelUnavailable as e:
         print(e)

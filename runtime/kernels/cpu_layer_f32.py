@@ -1,5 +1,6 @@
 """A decoder layer's fp32 ops besides its matmuls on AVX2 CPUs (layer_f32_avx2.c): RMSNorm, RoPE
-with the K/V cache write, and decode attention over the paged cache.
+with the K/V cache write, decode attention over the paged cache, and SwiGLU for the projections
+whose matmul has no fused epilogue (GGUF blocks).
 
 Used where dtype auto runs fp32 activations and KV cache beside bf16 weights (cpu_gemm_avx2.py):
 there a batch-1 decode step spent about as long in these ops' torch versions (a dozen small ops
@@ -25,9 +26,20 @@ def declare(lib: ctypes.CDLL) -> None:
     for name, args in (("ps_rms_norm_f32", [p] * 3 + [n] * 2 + [ctypes.c_float, ctypes.c_int]),
                        ("ps_rope_write_f32", [p] + [n] * 4 + [p] * 5 + [ctypes.c_int]),
                        ("ps_decode_attention_f32",
-                        [p, n, p, p, p, n, p, p] + [n] * 5 + [ctypes.c_float, p, n, ctypes.c_int])):
+                        [p, n, p, p, p, n, p, p] + [n] * 5 + [ctypes.c_float, p, n, ctypes.c_int]),
+                       ("ps_swiglu_f32", [p, p, n, n])):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
+
+
+def swiglu(lib: ctypes.CDLL, gu: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gu [M, 2I] fp32 (gate columns first), as [M, I]."""
+    gu = gu.contiguous()
+    m, two_i = gu.shape
+    out = torch.empty(m, two_i // 2, dtype=torch.float32)
+    if two_i % 2 or lib.ps_swiglu_f32(gu.data_ptr(), out.data_ptr(), m, two_i // 2):
+        raise KernelUnavailable(f"swiglu rejected a row of {two_i}")
+    return out
 
 
 def rope_reference(qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -47,6 +59,10 @@ def self_check(lib: ctypes.CDLL) -> None:
         got = cpu_norm.rms_norm(lib.ps_rms_norm_f32, x, w, 1e-5)
         if not torch.allclose(got, F.rms_norm(x, (k,), w, 1e-5), rtol=1e-5, atol=1e-5):
             raise KernelUnavailable("fp32 rms_norm self-check failed")
+    gu = torch.randn(5, 2 * 40, generator=g) * 6
+    gate, up = gu.chunk(2, dim=-1)
+    if not torch.allclose(swiglu(lib, gu), F.silu(gate) * up, rtol=1e-5, atol=1e-5):
+        raise KernelUnavailable("fp32 swiglu self-check failed")
     heads, kv_heads, dim, m = 4, 2, 48, 3
     qkv = torch.randn(m, heads + 2 * kv_heads, dim, generator=g)
     ang = torch.rand(m, dim // 2, generator=g) * 6

@@ -265,3 +265,18 @@ int ps_decode_attention_f32(const float *q, long q_row, const float *k_cache, co
     }
     return 0;
 }
+
+/* ------------------------------------------------------------------------------------ SwiGLU */
+
+/* y [M, I] = silu(gu[:, :I]) * gu[:, I:] for gu [M, 2I] (a gate/up projection's output in GGUF
+   row order): the arithmetic of gemm_bf16w_avx2.c's fused epilogue, for weights whose kernel has
+   none (quant_gemm.c), in one call instead of torch's chunk, silu and multiply. */
+int ps_swiglu_f32(const float *gu, float *y, long M, long I) {
+    if (M < 0 || I < 1) return -1;
+    for (long m = 0; m < M; m++) {
+        const float *g = gu + m * 2 * I, *u = g + I;
+        float *yr = y + m * I;
+        for (long i = 0; i < I; i++) yr[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+    return 0;
+}

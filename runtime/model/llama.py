@@ -21,6 +21,7 @@ from phasesplit.runtime.kernels import (
     build,
     cpu_gemm,
     cpu_gemm_avx2,
+    cpu_layer_f32,
     cpu_norm,
     cpu_quant,
     cpu_rope,
@@ -123,16 +124,21 @@ class Linear(nn.Module):
             return F.linear(x, self.weight)
         return torch.addmm(residual, x, self.weight.t())
 
-    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+    def swiglu(self, x: torch.Tensor, f32_kernels=None) -> torch.Tensor:
         """silu(gate) * up for a weight holding the gate rows, then the up rows; in the matmul's
-        epilogue when the weight was packed with swiglu=True."""
+        epilogue when the weight was packed with swiglu=True, else in one C call with
+        `f32_kernels` (cpu_layer_f32's library, fp32 activations: GGUF blocks under dtype auto),
+        else torch's ops."""
         if self._swiglu and self._bf16w:
             return cpu_gemm_avx2.matmul(self._gemm, x, self.tiled, self.out_features, act=cpu_gemm_avx2.SWIGLU,
                                         shared=self._gemm_shared)
         if self._swiglu:
             return cpu_gemm.matmul(self._gemm, x, self.tiled, self.out_features, act=cpu_gemm.SWIGLU,
                                    shared=self._gemm_shared)
-        gate, up = self(x).chunk(2, dim=-1)
+        gu = self(x)
+        if f32_kernels is not None and gu.dtype == torch.float32 and gu.dim() == 2 and gu.device.type == "cpu":
+            return cpu_layer_f32.swiglu(f32_kernels, gu)
+        gate, up = gu.chunk(2, dim=-1)
         return F.silu(gate) * up
 
     def pack_for_cpu(self, swiglu: bool = False, bf16_weights: bool = False) -> str | None:
@@ -212,11 +218,13 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache,
                 meta: AttentionMetadata, rope_kernel=None,
-                all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, norm_kernel=None) -> torch.Tensor:
+                all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, f32_kernels=None) -> torch.Tensor:
         """`rope_kernel` (a CPU kernel, ps_rope_write_bf16 or _f32 for x's dtype): cos/sin are
         float32 [tokens, head_dim/2] and one C call rotates Q and K in place and writes K/V to the
-        cache; else torch does both. `norm_kernel`: the fp32 RMSNorm kernel (see `rms_norm`).
-        `all_reduce` (tensor parallel): sums the ranks' partial o_proj and down products."""
+        cache; else torch does both. `f32_kernels`: cpu_layer_f32's library, for the fp32 RMSNorm
+        (see `rms_norm`) and SwiGLU. `all_reduce` (tensor parallel): sums the ranks' partial
+        o_proj and down products."""
+        norm_kernel = None if f32_kernels is None else f32_kernels.ps_rms_norm_f32
         h = rms_norm(x, self.attn_norm, self.eps, norm_kernel)
         t = x.shape[0]
         qkv = self.qkv(h).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
@@ -234,11 +242,11 @@ class DecoderLayer(nn.Module):
         if all_reduce is not None:  # the residual is added once, after the ranks' sum
             x = x + all_reduce(self.o_proj(attn.reshape(t, self.q_size)))
             h = rms_norm(x, self.mlp_norm, self.eps, norm_kernel)
-            return x + all_reduce(self.down(self.gate_up.swiglu(h)))
+            return x + all_reduce(self.down(self.gate_up.swiglu(h, f32_kernels)))
         # Each residual add is folded into its projection: one op and one pass fewer.
         x = self.o_proj(attn.reshape(t, self.q_size), residual=x)
         h = rms_norm(x, self.mlp_norm, self.eps, norm_kernel)
-        return self.down(self.gate_up.swiglu(h), residual=x)
+        return self.down(self.gate_up.swiglu(h, f32_kernels), residual=x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, f32_kernel=None) -> torch.Tensor:
@@ -312,8 +320,8 @@ class LlamaModel(nn.Module):
         """
         x = self.embed(input_ids)
         rope_kernel = self._rope_kernel(x, kv_cache)
-        f32 = self.layer_f32 is not None and x.dtype == torch.float32
-        norm_kernel = self.layer_f32.ps_rms_norm_f32 if f32 else None
+        f32_kernels = self.layer_f32 if x.dtype == torch.float32 else None
+        norm_kernel = None if f32_kernels is None else f32_kernels.ps_rms_norm_f32
         if rope_kernel is not None:
             freqs = positions.float()[:, None] * self.inv_freq[None, :]
             cos, sin = freqs.cos(), freqs.sin()
@@ -322,7 +330,7 @@ class LlamaModel(nn.Module):
         if self._caches is None or self._caches[0] is not kv_cache:
             self._caches = (kv_cache, layer_caches(kv_cache))
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, self._caches[1][i], meta, rope_kernel, self.all_reduce, norm_kernel)
+            x = layer(x, cos, sin, self._caches[1][i], meta, rope_kernel, self.all_reduce, f32_kernels)
             if after_layer is not None:
                 after_layer(i)
         if logits_index is None:

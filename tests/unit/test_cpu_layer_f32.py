@@ -20,7 +20,7 @@ NO_KERNEL = "this CPU lacks AVX2 or FMA, or no C compiler is on PATH: the fp32 A
 
 
 def _lib():
-    return built_or_skip(build.layer_f32_library(), build.LAYER_F32, "fp32 layer kernels", NO_KERNEL)
+    return built_or_skip(build.layer_f32_library(), build.BF16W, "fp32 layer kernels", NO_KERNEL)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -1,0 +1,88 @@
+"""The one-call decode step (runtime/engine/cpu_decode_step.py) on the AVX2 fp32-activation path:
+the same tokens and logprobs, bit for bit, as the layer-by-layer forward in the same engine, for
+bf16 weights and GGUF blocks served natively, at batch 1 (one thread, matmuls shared with the
+decode helpers) and at a batch past the one-thread rule (OpenMP threads); and a step whose kernel
+rejects its arguments leaves the forward serving, with nothing lost."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from phasesplit.runtime.engine.engine import EngineConfig, LLMEngine
+from phasesplit.runtime.engine.model_runner import RunnerConfig
+from phasesplit.runtime.kernels import build
+from phasesplit.runtime.model.files import builtin_gguf
+from phasesplit.runtime.request import SamplingParams
+from tests.quant_models import q8_0_copy
+
+NATIVE_BF16 = "dtype auto is native bf16 on this CPU (AVX512-BF16): the fp32-activation path and its one-call step are not used"
+NO_KERNELS = "the AVX2 fp32 kernels (AVX2, FMA, F16C) cannot be built here: decode runs torch's ops"
+PROMPT_LENS = (9, 23, 40, 61, 17, 33)  # six: past the one-thread batch rule (4); several KV blocks each
+
+
+def _engine(model: str, quantization: str) -> LLMEngine:
+    eng = LLMEngine(model, EngineConfig(runner=RunnerConfig(kv_cache_memory=64 << 20, quantization=quantization),
+                                        prefix_caching=False))  # a second run recomputes its prompt
+    if eng.runner.dtype != torch.float32:
+        pytest.skip(NATIVE_BF16)
+    if build.layer_f32_library() is None:
+        pytest.skip(NO_KERNELS)
+    assert eng.runner.cpu_step is not None, "the AVX2 fp32 path should decode in one call"
+    return eng
+
+
+@pytest.fixture(scope="module", params=["bf16 weights", "q8_0", "q4_1"])
+def engine(request) -> LLMEngine:
+    if request.param == "bf16 weights":
+        return _engine("smollm2", "none")
+    return _engine(str(q8_0_copy() if request.param == "q8_0" else builtin_gguf("smollm2")), request.param)
+
+
+def _prompts() -> list[list[int]]:
+    return [[(7919 * i + 31 * n) % 30000 + 1000 for i in range(n)] for n in PROMPT_LENS]
+
+
+def _both_ways(eng: LLMEngine, run) -> tuple[object, object]:
+    step = eng.runner.cpu_step
+    before = step.steps
+    one_call = run()
+    assert step.steps > before and step.enabled and step.checked, "the one-call step did not run"
+    step.enabled = False
+    try:
+        layered = run()
+    finally:
+        step.enabled = True
+    return one_call, layered
+
+
+def test_batch_of_one_same_tokens_and_logprobs(engine: LLMEngine) -> None:
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    prompt = _prompts()[2]
+
+    def run():
+        return [(o.new_token_ids, o.logprobs) for o in engine.run_to_end("one", prompt, params)]
+
+    one_call, layered = _both_ways(engine, run)
+    assert one_call == layered and sum(len(t) for t, _ in one_call) == 24
+
+
+def test_batch_past_the_one_thread_rule_same_tokens(engine: LLMEngine) -> None:
+    assert len(PROMPT_LENS) > engine.runner.small_decode_batch
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    one_call, layered = _both_ways(engine, lambda: engine.generate(_prompts(), params))
+    assert one_call == layered and all(len(t) == 20 for t in one_call)
+
+
+def test_rejected_arguments_leave_the_forward_serving(caplog) -> None:
+    eng = _engine("smollm2", "none")
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = _prompts()[:3]
+    want = eng.generate(prompts, params)
+    step = eng.runner.cpu_step
+    assert step.enabled and step.checked
+    step.layers[5].down.k = 3  # an odd inner size: the bf16-weight kernel refuses it
+    got = eng.generate(prompts, params)
+    assert not step.enabled, "a rejected argument should turn the one-call step off"
+    assert got == want, "the step that failed must be recomputed layer by layer, not lost"
+    assert "code -509" in caplog.text  # layer 5, op 9 (down): the code names where it failed
