@@ -25,12 +25,21 @@ def built_or_skip(lib, spec: build.Spec, what: str, reason: str):
     return lib
 
 
+NO_SMALL_STEPS = "one CPU, or spinning OpenMP waits: decode steps keep all threads and no helpers start"
+
+
 def decode_with_and_without_helpers(engine, lib, what: str) -> None:
     """One greedy request with logprobs decoded twice by `engine`: with the decode helpers (they
     must compute some of the matmuls: `what` names them in the failure) and with the caller alone;
-    the tokens and logprobs must be the same bits. `lib`: the helpers' library (bf16w_library)."""
+    the tokens and logprobs must be the same bits. `lib`: the helpers' library (bf16w_library).
+    Skipped where the runner keeps all threads for small decode steps (then no helpers start)."""
     from phasesplit.runtime.kernels import cpu_gemm_avx2
     from phasesplit.runtime.request import SamplingParams
+
+    runner = engine.runner
+    if not runner.small_step_threads:
+        pytest.skip(NO_SMALL_STEPS)
+    assert runner.decode_helpers == runner.threads - 1, "every CPU but the caller's should have a helper"
 
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
     prompt = list(range(3000, 3010))  # under one KV block: no prefix-cache hit on the second run

@@ -10,11 +10,13 @@ largest value); the self-check bounds it.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from phasesplit.runtime.kernels import build
 from phasesplit.runtime.kernels.build import KernelUnavailable
 
 QK = 32  # weights per block
@@ -38,6 +40,14 @@ def declare(lib: ctypes.CDLL) -> None:
     fn = lib.ps_qdequant
     fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 3 + [ctypes.c_int] * 2
     fn.restype = ctypes.c_int
+
+
+def shared_call(lib: ctypes.CDLL | None) -> Callable[..., int] | None:
+    """The call that shares `lib`'s (quant_library()'s) matmul with the decode helpers: the
+    helpers' library holds quant_gemm.c too, and its ps_qgemm_shared takes ps_qgemm's arguments
+    less `threads`; None without `lib` or where the helpers' library cannot be built."""
+    helpers = build.bf16w_library() if lib is not None else None
+    return None if helpers is None else helpers.ps_qgemm_shared
 
 
 def matmul(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, qtype: int,

@@ -96,9 +96,7 @@ class Linear(nn.Module):
         if (blocks.out_features, blocks.in_features) != want:
             raise ValueError(f"quantized weight is {blocks.out_features}x{blocks.in_features}, the layer {want}")
         self.blocks, self._qlib = blocks, qlib
-        # The decode helpers' library holds the quantized matmul too, shared like the bf16 one.
-        helpers = build.bf16w_library() if qlib is not None else None
-        self._qshared = helpers.ps_qgemm_shared if helpers is not None else None
+        self._qshared = cpu_quant.shared_call(qlib)  # with the decode helpers, as the bf16 one
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,

@@ -61,8 +61,4 @@ def test_decode_steps_of_one_sequence_share_their_matmuls_with_helpers(auto_engi
     """With sleeping OpenMP waits a decode step of one sequence runs on one thread, its matmuls
     shared with the runner's helper threads (kernels/decode_helpers.c): they take part, and the
     tokens and logits are the same bits as with the step's matmuls on that thread alone."""
-    runner = auto_engine.runner
-    if not runner.small_step_threads:
-        pytest.skip("one CPU, or spinning OpenMP waits: decode steps keep all threads and no helpers start")
-    assert runner.decode_helpers == runner.threads - 1
     decode_with_and_without_helpers(auto_engine, build.bf16w_library(), "matmul chunk")

@@ -94,13 +94,10 @@ def test_decode_steps_share_quantized_matmuls_with_helpers() -> None:
     GGUF blocks are shared with the runner's helper threads (kernels/decode_helpers.c), which take
     part, and the tokens and logprobs are the same bits as with that thread alone."""
     eng = engine(q8_0_copy(), "q8_0")
-    runner = eng.runner
-    if not runner.small_step_threads:
-        pytest.skip("one CPU, or spinning OpenMP waits: decode steps keep all threads and no helpers start")
     lib = build.bf16w_library()
     if lib is None:
         pytest.skip("the decode helpers' library (AVX2, FMA, F16C) cannot be built here")
-    assert served_formats(eng) == {"q8_0"} and runner.decode_helpers == runner.threads - 1
+    assert served_formats(eng) == {"q8_0"}
     decode_with_and_without_helpers(eng, lib, "quantized matmul tile")
 
 
