@@ -172,9 +172,7 @@ class CpuDecodeStep:
             return None
         model, c = self.model, self.model.cfg
         tables, lens, slots = decode_tables(decode, max(ctx for _, ctx in decode), self.block_size)
-        # The forward's own RoPE arithmetic (LlamaModel.forward with the fp32 kernels).
-        freqs = torch.from_numpy(lens - 1).float()[:, None] * model.inv_freq[None, :]
-        cos, sin = freqs.cos(), freqs.sin()
+        cos, sin = model.rope_angles(torch.from_numpy(lens - 1))  # the forward's table
         x = F.embedding(torch.tensor(ids, dtype=torch.long), model.embed.weight)
         if x.dtype != torch.float32:
             return None

@@ -48,6 +48,14 @@ def declare(lib: ctypes.CDLL) -> None:
     # function by address (cpu_gemm.shared_call).
     lib.ps_bf16_shared.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int] * 2
     lib.ps_bf16_shared.restype = ctypes.c_int
+    # The fp32 decode attention (layer_f32_avx2.c, built in here too) with its tasks shared:
+    # ps_decode_attention_f32's arguments less `threads`.
+    from phasesplit.runtime.kernels import cpu_layer_f32
+
+    cpu_layer_f32.declare(lib)
+    p, n = ctypes.c_void_p, ctypes.c_long
+    lib.ps_decode_attention_f32_shared.argtypes = [p, n, p, p, p, n, p, p] + [n] * 5 + [ctypes.c_float, p, n]
+    lib.ps_decode_attention_f32_shared.restype = ctypes.c_int
 
 
 def pack(weight: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
@@ -184,6 +192,7 @@ def check_shared(lib: ctypes.CDLL, rounds: int = 20) -> None:
             if rc != 0 or not torch.equal(got, want):
                 raise KernelUnavailable(f"shared quantized matmul differs from one thread's ({cpu_quant.NAMES[qtype]}, "
                                         f"rows {m}, cols {n}, inner {k}: code {rc})")
+    check_shared_attention(lib, g, rounds)
     native = build.library()  # the AVX512-BF16 kernels, where this CPU has them
     if native is None:
         return
@@ -205,3 +214,29 @@ def check_shared(lib: ctypes.CDLL, rounds: int = 20) -> None:
             if rc != 0 or not torch.equal(got, want):
                 raise KernelUnavailable(f"shared AVX512-BF16 matmul differs from one thread's (rows {m}, cols {n}, "
                                         f"inner {k}, act {act}, fp32 out {f32}: code {rc})")
+
+
+def check_shared_attention(lib: ctypes.CDLL, g: torch.Generator, rounds: int) -> None:
+    """The shared fp32 decode attention against one thread's, bit for bit: 1-3 sequences of
+    several blocks, grouped and plain heads, a strided q (a qkv row, as the decode step passes)."""
+    for n, heads, kv_heads, dim, lens in ((1, 9, 3, 64, [40]), (3, 4, 4, 32, [5, 33, 17]), (2, 8, 2, 128, [70, 3])):
+        block, blocks = 16, 12
+        k_cache = torch.randn(blocks * block, kv_heads, dim, generator=g)
+        v_cache = torch.randn(blocks * block, kv_heads, dim, generator=g)
+        tables = torch.stack([torch.randperm(blocks, generator=g)[:6] for _ in lens])
+        lens_t = torch.tensor(lens)
+        qkv = torch.randn(n, heads + 2 * kv_heads, dim, generator=g)
+        per = (heads // kv_heads) * max(lens)
+        args = (qkv.data_ptr(), qkv.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                tables.shape[1], lens_t.data_ptr())
+        want = torch.empty(n, heads, dim)
+        scratch = torch.empty(per)
+        lib.ps_decode_attention_f32(*args, want.data_ptr(), n, heads, kv_heads, dim, block, dim**-0.5,
+                                    scratch.data_ptr(), per, 1)
+        for _ in range(rounds):
+            got = torch.full((n, heads, dim), float("nan"))
+            rc = lib.ps_decode_attention_f32_shared(*args, got.data_ptr(), n, heads, kv_heads, dim, block,
+                                                    dim**-0.5, scratch.data_ptr(), per)
+            if rc != 0 or not torch.equal(got, want):
+                raise KernelUnavailable(f"shared decode attention differs from one thread's ({n} sequences, heads "
+                                        f"{heads}/{kv_heads}, dim {dim}: code {rc})")

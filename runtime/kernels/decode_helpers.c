@@ -54,6 +54,15 @@ void ps_q_tiles(int type, const uint8_t *w, long row_bytes, long t0, long t1, lo
 int ps_q_args_ok(long m, long n, long k, long row_bytes, int type);
 int ps_qgemm(const float *x, const uint8_t *w, const float *residual, float *out, long m, long n, long k,
              long row_bytes, int type, int threads);
+int ps_attention_args_f32(const int64_t *lens, long n, long heads, long kv_heads, long dim, long block_size,
+                          long max_blocks, long scratch_per_thread);
+void ps_attention_tasks_f32(const float *q, long q_row, const float *k_cache, const float *v_cache,
+                            const int64_t *tables, long max_blocks, const int64_t *lens, float *out, long heads,
+                            long kv_heads, long dim, long block_size, float scale, float *scores, long t0, long t1);
+int ps_decode_attention_f32(const float *q, long q_row, const float *k_cache, const float *v_cache,
+                            const int64_t *tables, long max_blocks, const int64_t *lens, float *out, long n,
+                            long heads, long kv_heads, long dim, long block_size, float scale, float *scratch,
+                            long scratch_per_thread, int threads);
 
 #define MAX_HELPERS 64
 #define MAX_CHUNKS 4096
@@ -70,8 +79,9 @@ enum { FREE = 0, CLAIMED = 1, DONE = 2, TAKEN = 3, MINE = 4 };
 /* What a job multiplies: bf16 weights with fp32 activations (gemm_bf16w_avx2.c's blocks of 32
    columns, 16 with the SwiGLU epilogue), GGUF blocks (quant_gemm.c's tiles of 16 columns,
    activations quantized once by the caller), or bf16 weights and activations on AVX512-BF16
-   (gemm_bf16.c's blocks, through the function pointer bf16_fn; output bf16 or fp32). */
-enum { BF16W = 0, QUANT = 1, BF16 = 2 };
+   (gemm_bf16.c's blocks, through the function pointer bf16_fn; output bf16 or fp32); or the fp32
+   decode attention over the paged cache (layer_f32_avx2.c), one (sequence, KV head) a block. */
+enum { BF16W = 0, QUANT = 1, BF16 = 2, ATTN = 3 };
 
 typedef void (*bf16_blocks_fn)(const uint16_t *x, const uint16_t *wp, const uint16_t *res, void *y, long M, long N,
                                long K, int out_f32, int act, long b0, long b1);
@@ -88,6 +98,13 @@ typedef struct {
     char *scratch;                    /* helper h writes rows of M x cols at scratch + h * M * cols * elem */
     long M, N, K, act, out_f32, elem;  /* elem: bytes per output value */
     long cols, blocks, block_cols, per_chunk, chunks, parts;
+    /* ATTN: x is the pool's copy of q ([n, heads, dim]), `res` each thread's scores (helper h's at
+       the pool's scores + h * scores_per); tables and lens the pool's copies; the caches are read
+       in place (a late helper's reads of slots rewritten meanwhile are discarded with its claim) */
+    const float *k_cache, *v_cache;
+    const int64_t *tables, *lens;
+    long max_blocks, heads, kv_heads, dim, block_size, scores_per;
+    float scale;
 } job_t;
 
 typedef struct {
@@ -106,8 +123,8 @@ typedef struct {
     long helped, taken, waited_ns; /* chunks the caller copied from helpers, took back; its wait */
     long spin_ns, steal_ns;
     uint32_t last_gen; /* the caller's count of jobs */
-    float *xbuf, *rbuf, *sbuf, *qbuf, *dbuf;
-    long xcap, rcap, scap, qcap, dcap;
+    float *xbuf, *rbuf, *sbuf, *qbuf, *dbuf, *tbuf, *abuf;
+    long xcap, rcap, scap, qcap, dcap, tcap, acap;
 } pool_t;
 
 static pool_t pool = {.spin_ns = 200000, .steal_ns = 50000, .caller_cpu = -1};
@@ -154,7 +171,10 @@ static void chunk_blocks(const job_t *j, long c, long *b0, long *b1) {
 /* Output blocks [b0, b1) of job j into y (rows of j->cols), from activations x (BF16W, BF16) and
    residual res: the one place any of the three kernels is called, by the caller and helpers alike. */
 static void run_blocks(const job_t *j, const void *x, const void *res, void *y, long b0, long b1) {
-    if (j->kind == QUANT)
+    if (j->kind == ATTN)
+        ps_attention_tasks_f32(x, j->heads * j->dim, j->k_cache, j->v_cache, j->tables, j->max_blocks, j->lens, y,
+                               j->heads, j->kv_heads, j->dim, j->block_size, j->scale, (float *)res, b0, b1);
+    else if (j->kind == QUANT)
         ps_q_tiles((int)j->qtype, j->qw, j->row_bytes, b0, b1, j->M, j->N, j->K, j->q, j->qd, j->qs, res, y);
     else if (j->kind == BF16)
         j->bf16_fn(x, j->wp, res, y, j->M, j->N, j->K, (int)j->out_f32, (int)j->act, b0, b1);
@@ -181,7 +201,8 @@ static void help(int h, uint32_t g) {
             continue;
         long b0, b1;
         chunk_blocks(&j, c, &b0, &b1);
-        run_blocks(&j, j.x, j.res, mine, b0, b1);
+        run_blocks(&j, j.x, j.kind == ATTN ? (const void *)((float *)j.res + (long)h * j.scores_per) : j.res, mine,
+                   b0, b1);
         uint64_t want = STATE(g, h, CLAIMED);
         __atomic_compare_exchange_n(&pool.state[c], &want, STATE(g, h, DONE), 0, __ATOMIC_RELEASE,
                                     __ATOMIC_RELAXED);
@@ -390,6 +411,46 @@ int ps_bf16_shared(void *fn, const uint16_t *x, const uint16_t *wp, const uint16
                              .M = M, .N = N, .K = K, .act = act, .out_f32 = out_f32, .elem = elem, .cols = cols,
                              .blocks = blocks, .block_cols = act ? 16 : 32},
                      x, res, y, helpers);
+    }
+    __atomic_store_n(&pool.busy, 0, __ATOMIC_RELEASE);
+    return rc;
+}
+
+/* As ps_decode_attention_f32 with one thread (layer_f32_avx2.c), its (sequence, KV head) tasks
+   shared with the helpers; `scratch` is the caller's scores (scratch_per_thread floats). The
+   caller copies q, the tables and the lengths into the pool. The same bits as one thread. */
+int ps_decode_attention_f32_shared(const float *q, long q_row, const float *k_cache, const float *v_cache,
+                                   const int64_t *tables, long max_blocks, const int64_t *lens, float *out, long n,
+                                   long heads, long kv_heads, long dim, long block_size, float scale, float *scratch,
+                                   long scratch_per_thread) {
+    const int bad = ps_attention_args_f32(lens, n, heads, kv_heads, dim, block_size, max_blocks, scratch_per_thread);
+    if (bad) return bad;
+    const int helpers = pool.use ? pool.helpers : 0;
+    const long tasks = n * kv_heads, group = heads / kv_heads;
+    if (helpers == 0 || tasks < 2 || tasks > MAX_CHUNKS ||
+        __atomic_exchange_n(&pool.busy, 1, __ATOMIC_ACQUIRE))
+        return ps_decode_attention_f32(q, q_row, k_cache, v_cache, tables, max_blocks, lens, out, n, heads, kv_heads,
+                                       dim, block_size, scale, scratch, scratch_per_thread, 1);
+    const long qn = n * heads * dim;
+    float *qb = grow(&pool.xbuf, &pool.xcap, qn);
+    int64_t *tb = (int64_t *)grow(&pool.tbuf, &pool.tcap, 2 * (n * max_blocks + n));
+    float *ab = grow(&pool.abuf, &pool.acap, (long)helpers * scratch_per_thread);
+    float *sb = grow(&pool.sbuf, &pool.scap, (long)helpers * qn);
+    int rc;
+    if (!qb || !tb || !ab || !sb) {
+        rc = ps_decode_attention_f32(q, q_row, k_cache, v_cache, tables, max_blocks, lens, out, n, heads, kv_heads,
+                                     dim, block_size, scale, scratch, scratch_per_thread, 1);
+    } else {
+        for (long i = 0; i < n; i++) memcpy(qb + i * heads * dim, q + i * q_row, (size_t)(heads * dim) * sizeof(float));
+        memcpy(tb, tables, (size_t)(n * max_blocks) * sizeof(int64_t));
+        memcpy(tb + n * max_blocks, lens, (size_t)n * sizeof(int64_t));
+        /* The caller reads the pool's q too (q_row = heads * dim, as the helpers do). */
+        rc = run_job((job_t){.kind = ATTN, .x = qb, .res = ab, .scratch = (char *)sb, .M = 1, .N = qn, .K = 0,
+                             .elem = 4, .cols = qn, .blocks = tasks, .block_cols = group * dim, .k_cache = k_cache,
+                             .v_cache = v_cache, .tables = tb, .lens = tb + n * max_blocks,
+                             .max_blocks = max_blocks, .heads = heads, .kv_heads = kv_heads, .dim = dim,
+                             .block_size = block_size, .scores_per = scratch_per_thread, .scale = scale},
+                     qb, scratch, out, helpers);
     }
     __atomic_store_n(&pool.busy, 0, __ATOMIC_RELEASE);
     return rc;

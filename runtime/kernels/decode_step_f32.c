@@ -9,8 +9,8 @@
  *
  * It calls the same kernels, with the same arguments, in the same order as the layer-by-layer
  * forward (llama.py with the fp32 layer kernels): the logits are the same bits, which the runner
- * checks on its first step. Matmuls with one thread are shared with the decode helpers
- * (decode_helpers.c), as the forward's are.
+ * checks on its first step. With one thread the matmuls are shared with the decode helpers
+ * (decode_helpers.c), as the forward's are, and so are the attention's (sequence, KV head) tasks.
  */
 #include <stdint.h>
 
@@ -21,6 +21,10 @@ int ps_decode_attention_f32(const float *q, long q_row, const float *k_cache, co
                             const int64_t *tables, long max_blocks, const int64_t *lens, float *out, long n,
                             long heads, long kv_heads, long dim, long block_size, float scale, float *scratch,
                             long scratch_per_thread, int threads);
+int ps_decode_attention_f32_shared(const float *q, long q_row, const float *k_cache, const float *v_cache,
+                                   const int64_t *tables, long max_blocks, const int64_t *lens, float *out, long n,
+                                   long heads, long kv_heads, long dim, long block_size, float scale, float *scratch,
+                                   long scratch_per_thread);
 int ps_swiglu_f32(const float *gu, float *y, long M, long I);
 int ps_gemm_bf16w_f32(const float *x, const uint16_t *wp, const float *res, float *y, long M, long N, long K,
                       int threads, int act);
@@ -68,6 +72,19 @@ static int proj(const ps_step_t *s, const ps_proj_t *p, const float *x, const fl
                            : ps_qgemm(x, p->w, res, y, M, p->n, p->k, p->row_bytes, p->qtype, s->threads);
 }
 
+/* The layer's decode attention; with one thread its (sequence, KV head) tasks are shared with the
+   decode helpers too (the same bits). */
+static int attention(const ps_step_t *s, const ps_layer_t *L) {
+    const long q_row = (s->heads + 2 * s->kv_heads) * s->head_dim;
+    if (s->threads == 1)
+        return ps_decode_attention_f32_shared(s->qkv, q_row, L->k_cache, L->v_cache, s->tables, s->max_blocks, s->lens,
+                                              s->attn, s->rows, s->heads, s->kv_heads, s->head_dim, s->block_size,
+                                              s->scale, s->scratch, s->scratch_per_thread);
+    return ps_decode_attention_f32(s->qkv, q_row, L->k_cache, L->v_cache, s->tables, s->max_blocks, s->lens, s->attn,
+                                   s->rows, s->heads, s->kv_heads, s->head_dim, s->block_size, s->scale, s->scratch,
+                                   s->scratch_per_thread, s->threads);
+}
+
 /* Returns 0, or the failing call's code with the layer in the tens (-(layer * 100 + op)) so a
    rejected argument is found without a debugger. */
 long ps_decode_step_f32(const ps_step_t *s, const ps_layer_t *layers, long n_layers) {
@@ -80,10 +97,7 @@ long ps_decode_step_f32(const ps_step_t *s, const ps_layer_t *layers, long n_lay
         if (proj(s, &L->qkv, s->h, 0, s->qkv, 0)) return code - 2;
         if (ps_rope_write_f32(s->qkv, M, nq, nkv, D, s->cos, s->sin, s->slots, L->k_cache, L->v_cache, s->threads))
             return code - 3;
-        if (ps_decode_attention_f32(s->qkv, (nq + 2 * nkv) * D, L->k_cache, L->v_cache, s->tables, s->max_blocks,
-                                    s->lens, s->attn, M, nq, nkv, D, s->block_size, s->scale, s->scratch,
-                                    s->scratch_per_thread, s->threads))
-            return code - 4;
+        if (attention(s, L)) return code - 4;
         if (proj(s, &L->o, s->attn, x, xb, 0)) return code - 5;
         if (ps_rms_norm_f32(xb, L->mlp_norm, s->h, M, H, s->eps, s->threads)) return code - 6;
         if (L->gate_up.swiglu) {

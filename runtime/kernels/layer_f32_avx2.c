@@ -245,6 +245,29 @@ static void one_head(const float *q, const float *k_cache, const float *v_cache,
                      scale, scores);
 }
 
+/* 0 if ps_decode_attention_f32 takes these arguments (-1: the shape, -2: a length). */
+int ps_attention_args_f32(const int64_t *lens, long n, long heads, long kv_heads, long dim, long block_size,
+                          long max_blocks, long scratch_per_thread) {
+    if (dim % 8 || dim > MAX_DIM || kv_heads < 1 || heads % kv_heads || heads / kv_heads > MAX_GROUP) return -1;
+    const long group = heads / kv_heads;
+    for (long i = 0; i < n; i++)
+        if (lens[i] < 1 || group * lens[i] > scratch_per_thread || (lens[i] - 1) / block_size >= max_blocks) return -2;
+    return 0;
+}
+
+/* Tasks [t0, t1) of a decode attention call (task = sequence * kv_heads + KV head), arguments
+   checked: what decode_helpers.c shares out, each task computed as the call computes it. */
+void ps_attention_tasks_f32(const float *q, long q_row, const float *k_cache, const float *v_cache,
+                            const int64_t *tables, long max_blocks, const int64_t *lens, float *out, long heads,
+                            long kv_heads, long dim, long block_size, float scale, float *scores, long t0, long t1) {
+    const long group = heads / kv_heads;
+    for (long task = t0; task < t1; task++) {
+        const long i = task / kv_heads, h = task % kv_heads;
+        one_head(q + i * q_row + h * group * dim, k_cache, v_cache, tables + i * max_blocks, lens[i],
+                 out + (i * heads + h * group) * dim, group, kv_heads, h, dim, block_size, scale, scores);
+    }
+}
+
 /* q: [n, heads, dim] with row stride q_row (elements; each row's heads contiguous); out: [n, heads,
  * dim] contiguous; k_cache, v_cache: [slots, kv_heads, dim]; tables: [n, max_blocks]; lens: [n]
  * (tokens incl. the new one); scratch: `threads` x heads/kv_heads x max(lens) floats. */
@@ -252,10 +275,9 @@ int ps_decode_attention_f32(const float *q, long q_row, const float *k_cache, co
                             const int64_t *tables, long max_blocks, const int64_t *lens, float *out, long n,
                             long heads, long kv_heads, long dim, long block_size, float scale, float *scratch,
                             long scratch_per_thread, int threads) {
-    if (dim % 8 || dim > MAX_DIM || kv_heads < 1 || heads % kv_heads || heads / kv_heads > MAX_GROUP) return -1;
+    const int bad = ps_attention_args_f32(lens, n, heads, kv_heads, dim, block_size, max_blocks, scratch_per_thread);
+    if (bad) return bad;
     const long group = heads / kv_heads;
-    for (long i = 0; i < n; i++)
-        if (lens[i] < 1 || group * lens[i] > scratch_per_thread || (lens[i] - 1) / block_size >= max_blocks) return -2;
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(dynamic, 1)
     for (long task = 0; task < n * kv_heads; task++) {
         const long i = task / kv_heads, h = task % kv_heads;

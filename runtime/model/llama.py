@@ -292,6 +292,7 @@ class LlamaModel(nn.Module):
         self.layer_f32 = None
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self._caches: tuple[torch.Tensor, list[LayerCache]] | None = None
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # rope_angles
 
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin ([tokens, 1, head_dim]) for `apply_rope`."""
@@ -321,8 +322,7 @@ class LlamaModel(nn.Module):
         f32_kernels = self.layer_f32 if x.dtype == torch.float32 else None
         norm_kernel = None if f32_kernels is None else f32_kernels.ps_rms_norm_f32
         if rope_kernel is not None:
-            freqs = positions.float()[:, None] * self.inv_freq[None, :]
-            cos, sin = freqs.cos(), freqs.sin()
+            cos, sin = self.rope_angles(positions)
         else:
             cos, sin = self.rope_tables(positions, x.dtype)
         if self._caches is None or self._caches[0] is not kv_cache:
@@ -337,6 +337,20 @@ class LlamaModel(nn.Module):
         head = self.lm_head or self.tied_head
         logits = F.linear(x, self.embed.weight) if head is None else head(x, out_dtype=torch.float32)
         return logits.float()
+
+    def rope_angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of each position's angles, float32 [tokens, head_dim/2], for the CPU RoPE
+        kernels: rows of a table made once (two gathers a step instead of four ops over a fresh
+        product; the one-call decode step reads the same table, so both give the same bits)."""
+        top = int(positions.max()) + 1 if positions.numel() else 1
+        table = self._rope_table
+        if table is None or table[0].shape[0] < top or table[0].device != positions.device:
+            # Grown in powers of two (a model's max_position can be 128k: 64 MB of table)
+            n = max(4096, 1 << (top - 1).bit_length())
+            freqs = torch.arange(n, dtype=torch.float32, device=positions.device)[:, None] * self.inv_freq[None, :]
+            table = self._rope_table = (freqs.cos(), freqs.sin())
+        cos, sin = table
+        return cos.index_select(0, positions), sin.index_select(0, positions)
 
     def _rope_kernel(self, x: torch.Tensor, kv_cache: torch.Tensor):
         """The CPU kernel that rotates Q/K and writes the cache for this dtype, or None (torch)."""

@@ -32,9 +32,14 @@ BIN = Path(sys.executable).with_name("phasesplit")
 
 
 def run_one(label: str, up_args: list[str], bench_args: list[str], out: Path, port: int,
-            beside: list[str] | None = None) -> dict:
+            beside: list[str] | None = None, cap_s: float | None = None) -> dict:
     """One system: start it, run the bench (and `beside`, a second bench alongside, cut with SIGINT
-    once the first is done: it keeps what finished), stop it. Returns the first bench's JSON."""
+    once the first is done: it keeps what finished), stop it. Returns the first bench's JSON.
+    `cap_s`: the first bench is cut with SIGINT after that long too (it keeps what finished), and
+    the JSON gets "cut_after_s": an offered load the system cannot keep up with would otherwise
+    queue without end (1,800-token documents every 4 s are ~450 prompt tokens/s, more than two
+    AVX2 cores prefill)."""
+    print(f"[interference] {label}: starting phasesplit up {' '.join(up_args)}", flush=True)
     up = subprocess.Popen([str(BIN), "up", "--port", str(port), "--log-level", "warning", *up_args],
                           start_new_session=True)
     try:
@@ -55,14 +60,32 @@ def run_one(label: str, up_args: list[str], bench_args: list[str], out: Path, po
             other = subprocess.Popen([str(BIN), "bench", "--url", url, *beside, "--label", f"{label}-docs",
                                       "--output-json", str(out / f"{label}-docs.json"), "--no-progress"],
                                      stdout=subprocess.DEVNULL)
+        cut = None
+        started = time.monotonic()
+        print(f"[interference] {label}: benchmark running" + (f" (cut after {cap_s:.0f} s)" if cap_s else ""),
+              flush=True)
         try:
-            subprocess.run([str(BIN), "bench", "--url", url, *bench_args,
-                            "--label", label, "--output-json", str(path), "--no-progress"], check=True)
+            bench = subprocess.Popen([str(BIN), "bench", "--url", url, *bench_args,
+                                      "--label", label, "--output-json", str(path), "--no-progress"])
+            try:
+                rc = bench.wait(timeout=cap_s)
+            except subprocess.TimeoutExpired:
+                cut = time.monotonic() - started
+                print(f"[interference] {label}: still running after {cut:.0f} s, cut (it keeps what finished): "
+                      "the offered load is more than this system serves", flush=True)
+                bench.send_signal(signal.SIGINT)
+                rc = bench.wait(timeout=120)
+            if rc != 0 and cut is None:
+                raise SystemExit(f"{label}: phasesplit bench failed (exit {rc})")
         finally:
             if other is not None:
                 other.send_signal(signal.SIGINT)
                 other.wait(timeout=120)
-        return json.loads(path.read_text())
+        doc = json.loads(path.read_text())
+        print(f"[interference] {label}: done in {time.monotonic() - started:.0f} s", flush=True)
+        if cut is not None:
+            doc["cut_after_s"] = round(cut)
+        return doc
     finally:
         os.killpg(up.pid, signal.SIGTERM)  # the workers drain (nothing is in flight) and exit
         try:
@@ -103,6 +126,9 @@ def main() -> None:
     ap.add_argument("--chats", type=int, default=3, help="--heavy: chat streams")
     ap.add_argument("--doc-every", type=float, default=4.0, help="--heavy: seconds between documents")
     ap.add_argument("--duration", type=float, default=60.0, help="--heavy: about how long the chats run")
+    ap.add_argument("--cap", type=float, default=None,
+                    help="seconds after which a system's benchmark is cut, keeping what finished "
+                         "(default: 4 x --duration + 120 with --heavy, none otherwise)")
     ap.add_argument("--placement", choices=("static", "adaptive"), default="static",
                     help="split's --prefill-placement (adaptive: short prompts may be prefilled on the decode worker)")
     a = ap.parse_args()
@@ -119,8 +145,13 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="interference-"))
     results = {}
     split_args = ["--pin-cpus", "--prefill-placement", a.placement]
+    cap = a.cap if a.cap is not None else (4 * a.duration + 120 if a.heavy else None)
+    cuts = {}
     for label, up_args in (("split", split_args), ("colocated", ["--colocated"])):
-        results[label] = chat_stats(run_one(label, up_args, bench, out, a.port, beside=docs))
+        doc = run_one(label, up_args, bench, out, a.port, beside=docs, cap_s=cap)
+        results[label] = chat_stats(doc)
+        if "cut_after_s" in doc:
+            cuts[label] = doc["cut_after_s"]
     print(f"\nload average {os.getloadavg()[0]:.2f} after; chat requests under {what}:")
     print(f"{'':10} {'ITL p50':>9} {'ITL p99':>9} {'TTFT p50':>9} {'TTFT p99':>9}  (ms)")
     for label, s in results.items():
@@ -132,6 +163,9 @@ def main() -> None:
     ttft_tail = results["split"]["ttft_s"]["p99"] / results["colocated"]["ttft_s"]["p99"]
     print(f"ITL p99 colocated/split: {ratio:.2f}x; TTFT split/colocated: p50 {ttft_cost:.2f}x, "
           f"p99 {ttft_tail:.2f}x")
+    for label, after in cuts.items():
+        n = results[label].get("completed", "?")
+        print(f"{label}: cut after {after} s with {n} chat requests done: its figures are of an overloaded system")
     print(f"raw results: {out}")
 
 
