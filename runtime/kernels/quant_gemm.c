@@ -28,6 +28,10 @@
 #define T_Q4_0 2
 #define T_Q4_1 3
 #define T_Q8_0 8
+// Bytes ahead of the block being read to prefetch: a weight row's blocks are read in order, rows
+// one after another. Measured here (30 layers' Q8_0 matmuls at one row, 143 MB, A/B twice on a
+// noisy host): one thread 17-19 -> 14.4-14.5 ms, shared with a helper 11.2-12.7 -> 10.9-11.7 ms.
+#define Q_PREFETCH 2048
 
 static inline float f16_at(const uint8_t *p) {
   uint16_t h;
@@ -95,11 +99,13 @@ static inline __attribute__((always_inline)) void row_dot(const int type, const 
     float dw, mw = 0.0f;
     if (type == T_Q8_0) {
       const uint8_t *blk = w + b * 34;
+      _mm_prefetch((const char *)blk + Q_PREFETCH, _MM_HINT_T0);
       dw = f16_at(blk);
       wv = _mm256_loadu_si256((const __m256i *)(blk + 2));
     } else {
       const uint8_t *blk = w + b * (type == T_Q4_1 ? 20 : 18);
       const uint8_t *nib = blk + (type == T_Q4_1 ? 4 : 2);
+      _mm_prefetch((const char *)blk + Q_PREFETCH, _MM_HINT_T0);
       dw = f16_at(blk);
       mw = type == T_Q4_1 ? f16_at(blk + 2) : -8.0f * dw;
       // Byte j holds weight j (low nibble) and weight j + 16 (high nibble).
