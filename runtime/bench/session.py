@@ -217,8 +217,11 @@ async def _run(args: argparse.Namespace, doc: dict, api_key: str | None) -> int:
             shapes = [specs[i % len(specs)] for i in range(args.warmup)]
             warm = [RequestSpec(-1 - i, s.prompt_len, s.output_len, "warmup") for i, s in enumerate(shapes)]
             _say(f"warm-up: {len(warm)} requests, not counted")
-            results, _ = await run_schedule(warm, prompts_for(warm), [0.0] * len(warm), _sender(client, target),
-                                            args.max_concurrency)
+            try:
+                results, _ = await run_schedule(warm, prompts_for(warm), [0.0] * len(warm), _sender(client, target),
+                                                args.max_concurrency)
+            except Interrupted:  # nothing measured yet: saved as an interrupted run with no rates
+                raise asyncio.CancelledError from None
             bad = [r for r in results if not r.ok]
             if bad and len(bad) == len(results):
                 raise BenchError(f"every warm-up request failed: {bad[0].error}")

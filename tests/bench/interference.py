@@ -95,8 +95,12 @@ def run_one(label: str, up_args: list[str], bench_args: list[str], out: Path, po
             up.wait()
 
 
-def chat_stats(doc: dict) -> dict:
-    run = doc["runs"][0]
+def chat_stats(doc: dict) -> dict | None:
+    """The chat requests' summary, or None where nothing was measured (cut during the warm-up)."""
+    runs = [r for r in doc["runs"] if r.get("summary")]
+    if not runs:
+        return None
+    run = runs[0]
     return run.get("by_kind", {}).get("chat") or run["summary"]  # --heavy: the chat bench is all chats
 
 
@@ -152,6 +156,12 @@ def main() -> None:
         results[label] = chat_stats(doc)
         if "cut_after_s" in doc:
             cuts[label] = doc["cut_after_s"]
+    empty = [label for label, st in results.items() if st is None]
+    if empty:
+        print(f"\nnothing measured for {', '.join(empty)}: cut after {cap or 0:.0f} s still in the warm-up; the offered "
+              f"load ({what}) is beyond this machine (raise --doc-every or --cap)")
+        print(f"raw results: {out}")
+        raise SystemExit(1)
     print(f"\nload average {os.getloadavg()[0]:.2f} after; chat requests under {what}:")
     print(f"{'':10} {'ITL p50':>9} {'ITL p99':>9} {'TTFT p50':>9} {'TTFT p99':>9}  (ms)")
     for label, s in results.items():
