@@ -88,9 +88,9 @@ def _fp32_vector(t: torch.Tensor, size: int) -> bool:
 class CpuDecodeStep:
     """Runs decode-only steps through ps_decode_step_f32; `create` says whether a model can."""
 
-    def __init__(self, lib: ctypes.CDLL, model: LlamaModel, kv_cache: torch.Tensor, block_size: int,
-                 layers: ctypes.Array, head: Proj) -> None:
-        self.lib, self.model, self.kv_cache, self.block_size = lib, model, kv_cache, block_size
+    def __init__(self, lib: ctypes.CDLL, model: LlamaModel, block_size: int, layers: ctypes.Array,
+                 head: Proj) -> None:
+        self.lib, self.model, self.block_size = lib, model, block_size
         self.layers, self.head = layers, head
         self.enabled, self.checked = True, False
         self.steps = 0  # steps run in one call
@@ -134,14 +134,15 @@ class CpuDecodeStep:
         declare(lib)
         log.info("decode steps of up to %d sequences: one C call for all %d layers and the head",
                  MAX_ROWS, model.cfg.num_layers)
-        return cls(lib, model, kv_cache, block_size, layers, head)
+        return cls(lib, model, block_size, layers, head)
 
     @staticmethod
     def _unsupported(model: LlamaModel, kv_cache: torch.Tensor, paged_kernel: bool) -> str | None:
         c = model.cfg
         if os.environ.get("PHASESPLIT_CPU_DECODE_STEP", "1") == "0":
             return "PHASESPLIT_CPU_DECODE_STEP=0"
-        if model.layer_f32 is None or kv_cache.device.type != "cpu" or kv_cache.dtype != torch.float32:
+        if (model.layer_f32 is None or kv_cache.device.type != "cpu" or kv_cache.dtype != torch.float32
+                or model.embed.weight.dtype != torch.float32):
             return "not the fp32-activation CPU path with its layer kernels"
         if model.all_reduce is not None:
             return "tensor parallelism"
@@ -173,9 +174,7 @@ class CpuDecodeStep:
         model, c = self.model, self.model.cfg
         tables, lens, slots = decode_tables(decode, max(ctx for _, ctx in decode), self.block_size)
         cos, sin = model.rope_angles(torch.from_numpy(lens - 1))  # the forward's table
-        x = F.embedding(torch.tensor(ids, dtype=torch.long), model.embed.weight)
-        if x.dtype != torch.float32:
-            return None
+        x = F.embedding(torch.tensor(ids, dtype=torch.long), model.embed.weight)  # fp32 (checked in create)
         slots = np.ascontiguousarray(slots)
         threads = torch.get_num_threads()
         per_thread = (self.heads // self.kv_heads) * int(lens.max())

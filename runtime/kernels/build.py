@@ -182,8 +182,7 @@ def layer_f32_library() -> ctypes.CDLL | None:
     lib = bf16w_library()
     if lib is None:
         return None
-    try:
-        cpu_layer_f32.declare(lib)
+    try:  # declared with the library (cpu_gemm_avx2.declare)
         cpu_layer_f32.self_check(lib)
     except KernelUnavailable as e:
         log.info("fp32 layer kernels for AVX2 not used: %s", e)

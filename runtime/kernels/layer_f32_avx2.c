@@ -277,14 +277,11 @@ int ps_decode_attention_f32(const float *q, long q_row, const float *k_cache, co
                             long scratch_per_thread, int threads) {
     const int bad = ps_attention_args_f32(lens, n, heads, kv_heads, dim, block_size, max_blocks, scratch_per_thread);
     if (bad) return bad;
-    const long group = heads / kv_heads;
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(dynamic, 1)
-    for (long task = 0; task < n * kv_heads; task++) {
-        const long i = task / kv_heads, h = task % kv_heads;
-        float *scores = scratch + omp_get_thread_num() * scratch_per_thread;
-        one_head(q + i * q_row + h * group * dim, k_cache, v_cache, tables + i * max_blocks, lens[i],
-                 out + (i * heads + h * group) * dim, group, kv_heads, h, dim, block_size, scale, scores);
-    }
+    for (long task = 0; task < n * kv_heads; task++)
+        ps_attention_tasks_f32(q, q_row, k_cache, v_cache, tables, max_blocks, lens, out, heads, kv_heads, dim,
+                               block_size, scale, scratch + omp_get_thread_num() * scratch_per_thread, task,
+                               task + 1);
     return 0;
 }
 

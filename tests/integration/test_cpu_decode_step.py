@@ -14,6 +14,7 @@ from phasesplit.runtime.engine.model_runner import RunnerConfig
 from phasesplit.runtime.kernels import build
 from phasesplit.runtime.model.files import builtin_gguf
 from phasesplit.runtime.request import SamplingParams
+from tests.kernels import built_or_skip
 from tests.quant_models import q8_0_copy
 
 NATIVE_BF16 = "dtype auto is native bf16 on this CPU (AVX512-BF16): the fp32-activation path and its one-call step are not used"
@@ -26,8 +27,7 @@ def _engine(model: str, quantization: str) -> LLMEngine:
                                         prefix_caching=False))  # a second run recomputes its prompt
     if eng.runner.dtype != torch.float32:
         pytest.skip(NATIVE_BF16)
-    if build.layer_f32_library() is None:
-        pytest.skip(NO_KERNELS)
+    built_or_skip(build.layer_f32_library(), build.BF16W, "fp32 layer kernels", NO_KERNELS)
     assert eng.runner.cpu_step is not None, "the AVX2 fp32 path should decode in one call"
     return eng
 
