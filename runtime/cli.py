@@ -139,8 +139,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "adaptive: here or there, whichever gives the first token sooner without a step here "
                         "outgrowing --itl-target, from measured step costs and the prefill queue")
     g.add_argument("--itl-target", type=seconds_or_zero, default=0.1,
-                   help="decode worker, adaptive placement: the longest step a local prefill may make "
-                        "(0: no limit)")
+                   help="decode worker, adaptive placement: the longest step a local prefill may make; "
+                        "prompt chunks beside running streams are cut to fit it (0: no limit)")
     g.add_argument("--drain-timeout", type=parse_seconds, default=300.0,
                    help="on SIGTERM: how long to let requests in flight finish before exiting")
     g.add_argument("--revision", default="",

@@ -137,9 +137,9 @@ class DecodeConnector(KVConnector):
     # -- engine thread (KVConnector) --------------------------------------------------------------
 
     def costs(self) -> tuple[float, float, float, float]:
-        """The fitted costs: this worker's step (base, per token), a remote prefill's round trip
-        (base, per token). Any thread: /internal/state shows them too."""
-        base, per_token = self.aengine.engine.step_cost.fit()
+        """The fitted costs: this worker's step with prompt tokens (base, per token), a remote
+        prefill's round trip (base, per token). Any thread: /internal/state shows them too."""
+        base, per_token = self.aengine.engine.prompt_step_fit()
         with self.lock:
             rbase, rper_token = self.remote_cost.fit(prior=(base + HOP_PRIOR_S, per_token))
         return base, per_token, rbase, rper_token
@@ -150,18 +150,25 @@ class DecodeConnector(KVConnector):
         sched = self.aengine.engine.scheduler
         base, per_token, rbase, rper_token = self.costs()
         queued = sched.waiting_tokens + sum(s.uncomputed for s in sched.running if s.uncomputed > 1)
+        # The chunk a step carries once any stream runs here (one that arrives meanwhile too).
+        budget = self.aengine.engine.time_budget()
+        step_prompt = None if budget is None else budget.prompt_tokens(max(1, len(sched.running)))
         return placement.Figures(
             prompt_tokens=len(seq.prompt_ids) - seq.num_computed, running=len(sched.running),
             local_queued_tokens=queued, step_budget=sched.budget, local_base_s=base, local_per_token_s=per_token,
             remote_base_s=rbase, remote_per_token_s=rper_token,
-            remote_queued_tokens=self.routes.get(seq.request_id, ([], 0))[1], itl_target_s=self.itl_target)
+            remote_queued_tokens=self.routes.get(seq.request_id, ([], 0))[1], itl_target_s=self.itl_target,
+            step_prompt_tokens=step_prompt)
 
     def reserved(self, seq: Sequence) -> bool:
         """Blocks are reserved: start filling them from a prefill worker, or have the engine
         compute the prompt here where placement says so (placement.py)."""
-        d = placement.place(self.figures(seq), have_remote=True, threshold=self.local_threshold,
-                            mode=self.placement_mode)
+        f = self.figures(seq)
+        d = placement.place(f, have_remote=True, threshold=self.local_threshold, mode=self.placement_mode)
         self.metrics.place(d.where, d.reason)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("placement of %s: %s (%s); here %s s, there %s s; %s", seq.request_id, d.where, d.reason,
+                      d.local_s, d.remote_s, f)
         if d.where == placement.LOCAL:
             self.routes.pop(seq.request_id, None)
             return False

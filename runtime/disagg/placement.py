@@ -6,6 +6,11 @@ the ITL target. The inputs are the runtime's own measured figures (runtime/engin
 this worker's step cost (base + per token, at its running batch), the round-trip cost of a remote
 prefill (call, prefill, K/V in place) per prompt token, and the prefill worker's queue as the
 router last saw it. The fixed --local-prefill-threshold stays as an override.
+
+A local prefill beside running streams goes in chunks cut to the ITL target (the engine's
+StepTimeBudget, runtime/engine/step_costs.py): it keeps the target by construction unless even
+the smallest chunk outgrows it, and it takes more steps, which `local_seconds` counts. So when
+the prefill pool is queued, the decode worker's idle share of its core prefills too.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ class Figures:
     remote_per_token_s: float
     remote_queued_tokens: int  # prompt tokens ahead of it on the prefill worker
     itl_target_s: float | None  # None: no ITL target to keep
+    # Prompt tokens one step here carries beside the decode batch under the ITL target (the
+    # engine's StepTimeBudget); None: as many as step_budget leaves.
+    step_prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -55,11 +63,17 @@ class Decision:
     remote_s: float | None = None
 
 
+def prompt_per_step(f: Figures) -> int:
+    """Prompt tokens a step here carries beside the decode batch."""
+    per_step = max(1, f.step_budget - f.running)
+    return per_step if f.step_prompt_tokens is None else max(1, min(per_step, f.step_prompt_tokens))
+
+
 def local_seconds(f: Figures) -> float:
     """Time to the first token if prefilled here: the queue here and the prompt, in chunks
     that share each step with the decode batch."""
     tokens = f.local_queued_tokens + f.prompt_tokens
-    per_step = max(1, f.step_budget - f.running)
+    per_step = prompt_per_step(f)
     steps = math.ceil(tokens / per_step)
     return steps * (f.local_base_s + f.local_per_token_s * f.running) + f.local_per_token_s * tokens
 
@@ -71,10 +85,11 @@ def remote_seconds(f: Figures, queued_tokens: int) -> float:
 def breaks_itl(f: Figures) -> bool:
     """Would a step carrying a chunk of this prompt take longer than the ITL target? Checked at
     an idle batch too: a stream that arrives meanwhile joins a batch whose steps carry the
-    chunks (a long prompt started here at idle is what delays the chats that follow it)."""
+    chunks. With chunks cut to the target (step_prompt_tokens) only the smallest chunk can
+    outgrow it, on a machine slower than the target allows."""
     if f.itl_target_s is None:
         return False
-    chunk = min(f.prompt_tokens, max(1, f.step_budget - f.running))
+    chunk = min(f.prompt_tokens, prompt_per_step(f))
     step = f.local_base_s + f.local_per_token_s * (f.running + chunk)
     return step > f.itl_target_s
 

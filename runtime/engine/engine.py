@@ -24,7 +24,7 @@ from phasesplit.runtime.engine.model_runner import LayerStream, ModelRunner, Run
 from phasesplit.runtime.engine.sampling import Sampler, choice_seed, logprobs_of
 from phasesplit.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from phasesplit.runtime.engine.sequence import Sequence, Status
-from phasesplit.runtime.engine.step_costs import LinearCost
+from phasesplit.runtime.engine.step_costs import STEP_AIM, LinearCost, StepTimeBudget
 from phasesplit.runtime.model.loader import resolve
 from phasesplit.runtime.model.tokenizer import IncrementalDecoder, TextTokenizer
 from phasesplit.runtime.request import RequestError, RequestOutput, SamplingParams
@@ -38,6 +38,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     prefix_caching: bool = True
+    # Seconds a step with decode rows may take (None: no limit): prompt chunks beside running
+    # streams are cut to fit it by the measured step cost (scheduler.py). A split decode worker
+    # with adaptive placement sets it to its --itl-target.
+    itl_target_s: float | None = None
 
 
 class EngineObserver:
@@ -124,7 +128,13 @@ class LLMEngine:
         self.streams: dict[str, _Stream] = {}
         self.outputs_pending: list[RequestOutput] = []
         self.remote_waiting: list[Sequence] = []  # split decode: waiting for blocks to reserve
-        self.step_cost = LinearCost()  # seconds per step by tokens in it (split placement reads it)
+        self.step_cost = LinearCost()  # seconds per step by tokens in it
+        # The same, of steps that carry prompt tokens only: what prefilling here costs (split
+        # placement and the ITL-capped chunks read it). Apart, because a step's cost is not one
+        # line: decode rows ride on the weight stream, prompt rows past a few are compute (on
+        # the AVX2 core 2 decode rows + 8 prompt tokens took 110 ms against 35 ms for the 2 alone,
+        # and a fit through both kinds of step put that step at 80).
+        self.prompt_step_cost = LinearCost()
 
     @property
     def max_model_len(self) -> int:
@@ -333,10 +343,21 @@ class LLMEngine:
 
     # -- stepping ---------------------------------------------------------------------------
 
+    def prompt_step_fit(self) -> tuple[float, float]:
+        """(base, per token) of a step that carries prompt tokens; every step's fit until one ran."""
+        return self.prompt_step_cost.fit(prior=self.step_cost.fit())
+
+    def time_budget(self) -> StepTimeBudget | None:
+        """The ITL target as the scheduler applies it, from this worker's fitted step cost."""
+        if not self.config.itl_target_s:
+            return None
+        base, per_token = self.prompt_step_fit()
+        return StepTimeBudget(self.config.itl_target_s * STEP_AIM, base, per_token)
+
     def step(self) -> list[RequestOutput]:
         self._reserve_remote()
         outputs, self.outputs_pending = self.outputs_pending, []
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(self.time_budget())
         if batch.empty:
             return outputs
         now = time.monotonic()
@@ -384,6 +405,8 @@ class LLMEngine:
         outputs.extend(self.take_outputs())  # the failures
         seconds = time.perf_counter() - t0
         self.step_cost.observe(batch.num_tokens, seconds)
+        if batch.prefill:
+            self.prompt_step_cost.observe(batch.num_tokens, seconds)
         self.observer.on_step(batch, seconds)
         return outputs
 

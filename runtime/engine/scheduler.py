@@ -8,6 +8,11 @@ prompt so that long prompts still progress, and a waiting prompt that has waited
 prompts cannot keep a long one out of the batch). When the cache runs out the most recently admitted
 sequence is preempted: its blocks are freed and it goes back to the front of the queue, to be
 recomputed (its prefix blocks often survive in the prefix cache).
+
+With a `StepTimeBudget` (a decode worker keeping an ITL target), a step that carries decode rows
+carries only as many prompt tokens as fit the target by the measured step cost: a prompt
+prefilled beside running streams then goes in chunks that keep their inter-token latency, and
+the streams' steps never wait for a whole budget's worth of prompt.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass, field
 
 from phasesplit.runtime.engine.block_manager import BlockManager
 from phasesplit.runtime.engine.sequence import Sequence, Status
+from phasesplit.runtime.engine.step_costs import StepTimeBudget
 
 # Steps a waiting prompt may be passed over by shorter ones before it goes first: at ~20-50 ms a
 # step on the reference CPU, about 1-3 s.
@@ -61,7 +67,8 @@ class Scheduler:
     def waiting_tokens(self) -> int:
         return sum(s.uncomputed for s in self.waiting)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, time_budget: StepTimeBudget | None = None) -> ScheduledBatch:
+        """This step's batch. `time_budget`: cap the prompt tokens of a step with decode rows."""
         self.steps += 1
         batch = ScheduledBatch()
         active = [s for s in self.running if s.status is Status.RUNNING]
@@ -82,6 +89,10 @@ class Scheduler:
             self.blocks.grow(seq, len(seq))
             batch.decode.append(seq)
         budget = self.budget - len(batch.decode)
+        step_tokens = self.budget  # what the oldest started prompt gets a quarter of
+        if time_budget is not None and batch.decode:
+            step_tokens = time_budget.prompt_tokens(len(batch.decode))
+            budget = min(budget, step_tokens)
         # 2. Prompt work: sequences part-way through their prompt, then waiting requests, the
         # shortest remaining prompt first, so a chat is not stuck behind every chunk of a long
         # document (FIFO made chat TTFT wait for whole 1600-token prefills). The oldest started
@@ -90,7 +101,7 @@ class Scheduler:
         partial = [s for s in self.running if s.status is Status.RUNNING and s.uncomputed > 1]
         grants: dict[int, int] = {}  # id(seq) -> prompt tokens this step
         if partial and budget > 0:
-            grants[id(partial[0])] = min(partial[0].uncomputed, max(1, self.budget // 4), budget)
+            grants[id(partial[0])] = min(partial[0].uncomputed, max(1, step_tokens // 4), budget)
             budget -= grants[id(partial[0])]
         def order(s: Sequence) -> tuple[int, int]:  # aged waiting prompts first, oldest first; then shortest
             if s.status is not Status.RUNNING and self.steps - s.queued_step > self.max_wait_steps:

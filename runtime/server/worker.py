@@ -17,7 +17,10 @@ from phasesplit.runtime.server.metrics import EngineMetrics, Metrics
 from phasesplit.runtime.server.openai_api import build_openai_app, served_names
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
+def engine_config(args: argparse.Namespace, phase: str = "both") -> EngineConfig:
+    # A decode worker placing prompts adaptively keeps its ITL target in the steps that carry a
+    # local prefill too (placement.py counts on it).
+    adaptive = phase == "decode" and getattr(args, "prefill_placement", "static") == "adaptive"
     return EngineConfig(
         runner=RunnerConfig(device=args.device, dtype=args.dtype, block_size=args.block_size,
                             kv_cache_memory=args.kv_cache_memory, kv_cache_fraction=args.kv_cache_fraction,
@@ -26,11 +29,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefix_caching=args.prefix_caching,
+        itl_target_s=(args.itl_target or None) if adaptive else None,
     )
 
 
 def build_engine(args: argparse.Namespace, phase: str) -> tuple[LLMEngine, Metrics, str]:
-    engine = LLMEngine(args.model, engine_config(args))
+    engine = LLMEngine(args.model, engine_config(args, phase))
     name = served_names(args, engine.model_name)[0]
     metrics = Metrics(name, phase)
     engine.observer = EngineMetrics(metrics, engine)

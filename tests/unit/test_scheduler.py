@@ -115,3 +115,32 @@ def test_aging_bound_lets_a_long_prompt_in_past_a_stream_of_short_ones():
 
     assert admitted_at(max_wait_steps=10_000) is None, "shortest-first alone starves it"
     assert admitted_at(max_wait_steps=5) == 6  # passed over in steps 1-5, first in step 6
+
+
+def test_time_budget_cuts_prompt_chunks_beside_streams_only():
+    """A decode worker keeping an ITL target: a step with decode rows carries as many prompt
+    tokens as the fitted cost allows; a step without any takes the whole token budget."""
+    from phasesplit.runtime.engine.step_costs import StepTimeBudget
+
+    # 10 ms a step plus 1 ms a token against a 30 ms target: 20 tokens, decode rows included.
+    budget = StepTimeBudget(target_s=0.030, base_s=0.010, per_token_s=0.001)
+    assert budget.prompt_tokens(2) == 18
+    assert StepTimeBudget(0.030, 0.050, 0.001).prompt_tokens(2) == budget.min_tokens  # slower than the target
+    sched = Scheduler(BlockManager(200, 4, prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=64)
+    first = Sequence("first", list(range(100)), SamplingParams())
+    sched.add(first)
+    b = sched.schedule(budget)
+    assert b.prefill == [(first, 64)], "no stream running: the whole budget"
+    run(sched, b)
+    while first.uncomputed > 1:
+        run(sched, sched.schedule(budget))
+    doc = Sequence("doc", list(range(100)), SamplingParams())
+    sched.add(doc)
+    chunks = []
+    while doc.num_computed < 100:
+        b = sched.schedule(budget)
+        assert first in b.decode
+        chunks.append(dict((s.request_id, n) for s, n in b.prefill)["doc"])
+        run(sched, b)
+    assert chunks == [19] * 5 + [5]  # 20 tokens a step minus the stream's row
+    assert max(chunks) < 64
