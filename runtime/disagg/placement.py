@@ -3,9 +3,9 @@
 Adaptive disaggregation (docs/architecture.md, "Prefill placement"): each prompt goes where its
 first token comes soonest, unless prefilling it here would push the decode batch's steps past
 the ITL target. The inputs are the runtime's own measured figures (runtime/engine/step_costs.py):
-this worker's step cost (base + per token, at its running batch), the round-trip cost of a remote
-prefill (call, prefill, K/V in place) per prompt token, and the prefill worker's queue as the
-router last saw it. The fixed --local-prefill-threshold stays as an override.
+this worker's cost of a step that carries prompt tokens (base + per token, at its running
+batch), the round-trip cost of a remote prefill (call, prefill, K/V in place) per prompt token,
+and the prefill worker's queue as the router last saw it. The fixed --local-prefill-threshold stays as an override.
 
 A local prefill beside running streams goes in chunks cut to the ITL target (the engine's
 StepTimeBudget, runtime/engine/step_costs.py): it keeps the target by construction unless even

@@ -1,9 +1,10 @@
 """Rolling estimates of what work costs here: seconds ≈ base + per_token × tokens. Pure.
 
-The engine feeds every step (tokens in the batch, seconds the forward pass and sampling took);
-the split decode worker feeds every remote prefill (prompt plus the prefill queue ahead of it,
+The engine feeds every step (tokens in the batch, seconds the forward pass and sampling took),
+and a second fit only the steps that carry prompt tokens; the split decode worker feeds every remote prefill (prompt plus the prefill queue ahead of it,
 seconds from the call to the K/V in place). The placement rule (disagg/placement.py) reads the
-fits. Exponentially weighted least squares, so the figures follow a batch that grows or a
+fits, and `StepTimeBudget` turns the prompt-step fit and an ITL target into the prompt tokens a
+step may carry beside its decode rows (the scheduler's cut). Exponentially weighted least squares, so the figures follow a batch that grows or a
 machine that gets busier; a prior that never fades keeps the fit defined before the first
 measurement and while all measurements have one size (a decode batch of one, say). The prior
 is a shape, not figures: 512 tokens cost what ~18 decode steps do, scaled to the steps measured,
