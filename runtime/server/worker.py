@@ -20,7 +20,7 @@ from phasesplit.runtime.server.openai_api import build_openai_app, served_names
 def engine_config(args: argparse.Namespace, phase: str = "both") -> EngineConfig:
     # A decode worker placing prompts adaptively keeps its ITL target in the steps that carry a
     # local prefill too (placement.py counts on it).
-    adaptive = phase == "decode" and getattr(args, "prefill_placement", "static") == "adaptive"
+    adaptive = phase == "decode" and args.prefill_placement == "adaptive"
     return EngineConfig(
         runner=RunnerConfig(device=args.device, dtype=args.dtype, block_size=args.block_size,
                             kv_cache_memory=args.kv_cache_memory, kv_cache_fraction=args.kv_cache_fraction,

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from phasesplit.runtime.disagg import placement as pl
-from phasesplit.runtime.engine.step_costs import LinearCost
+from phasesplit.runtime.engine.step_costs import MIN_PROMPT_TOKENS, LinearCost, StepTimeBudget
 
 # Engine steps recorded with the bundled model (SmolLM2-135M, float32, 2 threads), as
 # (tokens in the step, seconds):
@@ -143,23 +143,22 @@ def test_overrides():
         assert (d.where, d.reason) in pl.OUTCOMES
 
 
+def capped(local: LinearCost, remote: LinearCost, prompt: int, **kw) -> pl.Figures:
+    """figures() with local chunks cut to a 100 ms target, as the decode worker builds them."""
+    f = figures(local, remote, prompt, **kw)
+    budget = StepTimeBudget(0.1, f.local_base_s, f.local_per_token_s)
+    return dataclasses.replace(f, step_prompt_tokens=budget.prompt_tokens(max(1, f.running)))
+
+
 def test_chunks_cut_to_the_itl_target_let_a_queued_pool_share_the_decode_core():
     """With local chunks cut to the ITL target (the engine's StepTimeBudget), a long prompt no
     longer breaks the target here: it goes where it is sooner, which is here once the prefill
     pool is queued, and there while it is not."""
-    from phasesplit.runtime.engine.step_costs import StepTimeBudget
-
     local = fitted(QUIET)
     remote = remote_like(local, hop_s=0.01)
-
-    def capped(prompt: int, **kw) -> pl.Figures:
-        f = figures(local, remote, prompt, **kw)
-        budget = StepTimeBudget(0.1, f.local_base_s, f.local_per_token_s)
-        return dataclasses.replace(f, step_prompt_tokens=budget.prompt_tokens(max(1, f.running)))
-
     uncut = pl.place(figures(local, remote, 300, running=2, remote_queued=4000), have_remote=True)
     assert (uncut.where, uncut.reason) == (pl.REMOTE, pl.ITL_BUDGET)  # one 300-token step: ~0.2 s
-    f = capped(300, running=2, remote_queued=4000)
+    f = capped(local, remote, 300, running=2, remote_queued=4000)
     assert 100 < f.step_prompt_tokens < 300
     step = f.local_base_s + f.local_per_token_s * (f.running + f.step_prompt_tokens)
     assert step <= 0.1
@@ -167,12 +166,10 @@ def test_chunks_cut_to_the_itl_target_let_a_queued_pool_share_the_decode_core():
     assert (cut.where, cut.reason) == (pl.LOCAL, pl.PREFILL_QUEUED)
     # More steps here than one uncut chunk would take, and still sooner than behind the queue.
     assert pl.local_seconds(f) > pl.local_seconds(dataclasses.replace(f, step_prompt_tokens=None))
-    idle_pool = pl.place(capped(300, running=2), have_remote=True)
+    idle_pool = pl.place(capped(local, remote, 300, running=2), have_remote=True)
     assert (idle_pool.where, idle_pool.reason) == (pl.REMOTE, pl.REMOTE_FASTER)
     # On the loaded figures no chunk keeps 100 ms: the smallest still breaks it, so: there.
     loaded = fitted(LOADED)
-    lf = figures(loaded, remote_like(loaded, hop_s=0.05), 300, running=2, remote_queued=4000)
-    budget = StepTimeBudget(0.1, lf.local_base_s, lf.local_per_token_s)
-    lf = dataclasses.replace(lf, step_prompt_tokens=budget.prompt_tokens(2))
-    assert lf.step_prompt_tokens == budget.min_tokens
+    lf = capped(loaded, remote_like(loaded, hop_s=0.05), 300, running=2, remote_queued=4000)
+    assert lf.step_prompt_tokens == MIN_PROMPT_TOKENS
     assert pl.place(lf, have_remote=True).reason == pl.ITL_BUDGET
