@@ -1,7 +1,8 @@
 """Compile the C kernels in this folder once, cache the libraries, load them.
 
 Three libraries, each built only for the instruction sets it names and loaded only on a CPU that
-has them: the bf16 kernels (AVX512-BF16; `library()`), the quantized-weight matmuls
+has them: the bf16 kernels (AVX512-BF16; `library()`, with the native bf16 path's one-call
+decode step), the quantized-weight matmuls
 (AVX2 + FMA + F16C; `quant_library()`, see cpu_quant.py), which also run where bf16 does not,
 and the AVX2 fp32-activation path for CPUs without AVX512-BF16: the bf16-weight matmul
 (`bf16w_library()`, see cpu_gemm_avx2.py), the decode helpers, and in the same library the fp32
@@ -37,8 +38,10 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("gemm_bf16.c", "decode_attention_bf16.c", "rms_norm_bf16.c",
                                                             "rope_bf16.c", "argmax_f32.c",
-                                                            "prefill_attention_bf16.c"))
-HEADERS = (Path(__file__).with_name("vec_math.h"), Path(__file__).with_name("gemm_block.h"))
+                                                            "prefill_attention_bf16.c",
+                                                            # the one-call decode step over them (cpu_decode_step.py)
+                                                            "decode_step_bf16.c"))
+HEADERS = tuple(Path(__file__).with_name(f) for f in ("vec_math.h", "gemm_block.h", "decode_step.h"))
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-fopenmp", "-fPIC", "-shared"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
 
@@ -68,7 +71,8 @@ BF16W = Spec("phasesplit_bf16w", (Path(__file__).with_name("gemm_bf16w_avx2.c"),
                                   # a layer's other fp32 ops (cpu_layer_f32.py), and the whole decode
                                   # step over them and the matmuls in one call (cpu_decode_step.py)
                                   Path(__file__).with_name("layer_f32_avx2.c"),
-                                  Path(__file__).with_name("decode_step_f32.c")), (),
+                                  Path(__file__).with_name("decode_step_f32.c")),
+             (Path(__file__).with_name("decode_step.h"),),
              ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-pthread", "-fPIC", "-shared"), ("avx2", "fma", "f16c"))
 
 

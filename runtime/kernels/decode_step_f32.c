@@ -14,6 +14,8 @@
  */
 #include <stdint.h>
 
+#include "decode_step.h"
+
 int ps_rms_norm_f32(const float *x, const float *w, float *y, long M, long K, float eps, int threads);
 int ps_rope_write_f32(float *qkv, long M, long heads, long kv_heads, long dim, const float *cos, const float *sin,
                       const int64_t *slots, float *k_cache, float *v_cache, int threads);
@@ -34,20 +36,6 @@ int ps_qgemm(const float *x, const uint8_t *w, const float *residual, float *out
              long row_bytes, int type, int threads);
 int ps_qgemm_shared(const float *x, const uint8_t *w, const float *res, float *y, long M, long N, long K,
                     long row_bytes, int type);
-
-/* One projection: bf16 tiles (cpu_gemm's layout, row_bytes 0; swiglu: gate/up tiles alternating,
-   the epilogue fused) or GGUF blocks (row_bytes per weight row, qtype). n: output rows of W. */
-typedef struct {
-    const void *w;
-    long n, k, row_bytes;
-    int qtype, swiglu;
-} ps_proj_t;
-
-typedef struct {
-    ps_proj_t qkv, o, gate_up, down;
-    const float *attn_norm, *mlp_norm;
-    float *k_cache, *v_cache; /* [slots, kv_heads, dim] */
-} ps_layer_t;
 
 typedef struct {
     long rows, hidden, heads, kv_heads, head_dim, inter, block_size, max_blocks, scratch_per_thread;
@@ -93,13 +81,14 @@ long ps_decode_step_f32(const ps_step_t *s, const ps_layer_t *layers, long n_lay
     for (long l = 0; l < n_layers; l++) {
         const ps_layer_t *L = layers + l;
         const long code = -(l * 100);
-        if (ps_rms_norm_f32(x, L->attn_norm, s->h, M, H, s->eps, s->threads)) return code - 1;
+        if (ps_rms_norm_f32(x, (const float *)L->attn_norm, s->h, M, H, s->eps, s->threads)) return code - 1;
         if (proj(s, &L->qkv, s->h, 0, s->qkv, 0)) return code - 2;
-        if (ps_rope_write_f32(s->qkv, M, nq, nkv, D, s->cos, s->sin, s->slots, L->k_cache, L->v_cache, s->threads))
+        float *k_cache = L->k_cache, *v_cache = L->v_cache;
+        if (ps_rope_write_f32(s->qkv, M, nq, nkv, D, s->cos, s->sin, s->slots, k_cache, v_cache, s->threads))
             return code - 3;
         if (attention(s, L)) return code - 4;
         if (proj(s, &L->o, s->attn, x, xb, 0)) return code - 5;
-        if (ps_rms_norm_f32(xb, L->mlp_norm, s->h, M, H, s->eps, s->threads)) return code - 6;
+        if (ps_rms_norm_f32(xb, (const float *)L->mlp_norm, s->h, M, H, s->eps, s->threads)) return code - 6;
         if (L->gate_up.swiglu) {
             if (proj(s, &L->gate_up, s->h, 0, s->mid, 1)) return code - 7;
         } else {

@@ -125,14 +125,20 @@ class Linear(nn.Module):
     def swiglu(self, x: torch.Tensor, f32_kernels=None) -> torch.Tensor:
         """silu(gate) * up for a weight holding the gate rows, then the up rows; in the matmul's
         epilogue when the weight was packed with swiglu=True, else in one C call with
-        `f32_kernels` (cpu_layer_f32's library, fp32 activations: GGUF blocks under dtype auto),
-        else torch's ops."""
+        `f32_kernels` (cpu_layer_f32's library: GGUF blocks beside fp32 activations under dtype
+        auto, or beside bf16 ones, see LlamaModel.block_swiglu), else torch's ops."""
         if self._swiglu and self._bf16w:
             return cpu_gemm_avx2.matmul(self._gemm, x, self.tiled, self.out_features, act=cpu_gemm_avx2.SWIGLU,
                                         shared=self._gemm_shared)
         if self._swiglu:
             return cpu_gemm.matmul(self._gemm, x, self.tiled, self.out_features, act=cpu_gemm.SWIGLU,
                                    shared=self._gemm_shared)
+        if (self.blocks is not None and f32_kernels is not None and x.dtype == torch.bfloat16 and x.dim() == 2
+                and x.device.type == "cpu"):
+            # GGUF blocks beside bf16 activations: the kernel's fp32 sums go through the fp32
+            # SwiGLU and are rounded once (torch's bf16 chunk/silu/mul rounds three times, and is
+            # not something the one-call decode step could repeat bit for bit).
+            return cpu_layer_f32.swiglu(f32_kernels, self(x, out_dtype=torch.float32)).to(torch.bfloat16)
         gu = self(x)
         if f32_kernels is not None and gu.dtype == torch.float32 and gu.dim() == 2 and gu.device.type == "cpu":
             return cpu_layer_f32.swiglu(f32_kernels, gu)
@@ -290,6 +296,8 @@ class LlamaModel(nn.Module):
         self.tied_head: Linear | None = None  # a re-laid copy of the embedding (pack_for_cpu)
         # fp32 norm/RoPE/decode-attention kernels for AVX2 CPUs, used beside bf16 weights (pack_for_cpu)
         self.layer_f32 = None
+        # the fp32 SwiGLU (layer_f32's library) for GGUF gate/up blocks beside bf16 activations
+        self.block_swiglu = None
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self._caches: tuple[torch.Tensor, list[LayerCache]] | None = None
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # rope_angles
@@ -319,8 +327,8 @@ class LlamaModel(nn.Module):
         """
         x = self.embed(input_ids)
         rope_kernel = self._rope_kernel(x, kv_cache)
-        f32_kernels = self.layer_f32 if x.dtype == torch.float32 else None
-        norm_kernel = None if f32_kernels is None else f32_kernels.ps_rms_norm_f32
+        f32_kernels = self.layer_f32 if x.dtype == torch.float32 else self.block_swiglu
+        norm_kernel = None if self.layer_f32 is None else self.layer_f32.ps_rms_norm_f32
         if rope_kernel is not None:
             cos, sin = self.rope_angles(positions)
         else:
@@ -388,6 +396,8 @@ class LlamaModel(nn.Module):
             # kernels too, whether the projections are bf16 or served from GGUF blocks (None: torch's
             # ops, as with --dtype float32, the reference).
             self.layer_f32 = build.layer_f32_library()
+        elif any(layer.gate_up.blocks is not None for layer in self.layers):
+            self.block_swiglu = build.layer_f32_library()
         self._tiled_on_huge_pages()
         return dict(counts)
 
