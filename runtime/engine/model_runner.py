@@ -97,6 +97,10 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def _cpu_has_bf16() -> bool:
+    # PHASESPLIT_NATIVE_BF16=0 serves as a CPU without native bf16 would (fp32 activations, bf16
+    # weights through the AVX2 kernels): to compare the two paths, or test the older one, here.
+    if os.environ.get("PHASESPLIT_NATIVE_BF16") == "0":
+        return False
     try:
         with open("/proc/cpuinfo") as f:
             flags = f.read()
@@ -257,7 +261,7 @@ class ModelRunner:
         # The batch rule was measured with the bf16 kernels; the AVX2 fp32 path keeps the torch rule.
         self.small_decode_batch = (KERNEL_SMALL_DECODE_BATCH if self.paged_kernel and self.dtype == torch.bfloat16
                                    else SMALL_DECODE_BATCH)
-        # Decode-only steps on the AVX2 fp32 path: all layers in one C call (cpu_decode_step.py).
+        # Decode-only CPU steps (native bf16 or AVX2 fp32): all layers in one C call (cpu_decode_step.py).
         self.cpu_step = (CpuDecodeStep.create(model, self.kv_cache, self.block_size, self.paged_kernel)
                          if self.device.type == "cpu" and self.tp_size == 1 else None)
         self.decode_helpers = self._start_decode_helpers(

@@ -1,10 +1,14 @@
-"""The one-call decode step (runtime/engine/cpu_decode_step.py) on the AVX2 fp32-activation path:
-the same tokens and logprobs, bit for bit, as the layer-by-layer forward in the same engine, for
-bf16 weights and GGUF blocks served natively, at batch 1 (one thread, matmuls shared with the
-decode helpers) and at a batch past the one-thread rule (OpenMP threads); and a step whose kernel
-rejects its arguments leaves the forward serving, with nothing lost."""
+"""The one-call decode step (runtime/engine/cpu_decode_step.py) on both CPU paths of dtype auto:
+native bf16 (AVX512-BF16) and the AVX2 fp32-activation path (forced on a bf16 CPU with
+PHASESPLIT_NATIVE_BF16=0, so a newer CPU tests both). The same tokens and logprobs, bit for bit,
+as the layer-by-layer forward in the same engine, for bf16 weights and GGUF blocks served
+natively, at batch 1 (one thread, matmuls shared with the decode helpers) and at a batch past the
+one-thread rule (OpenMP threads); and a step whose kernel rejects its arguments leaves the forward
+serving, with nothing lost."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -17,26 +21,41 @@ from phasesplit.runtime.request import SamplingParams
 from tests.kernels import built_or_skip
 from tests.quant_models import q8_0_copy
 
-NATIVE_BF16 = "dtype auto is native bf16 on this CPU (AVX512-BF16): the fp32-activation path and its one-call step are not used"
+NO_NATIVE_BF16 = "this CPU has no AVX512-BF16: dtype auto serves fp32 activations, not the native bf16 path"
 NO_KERNELS = "the AVX2 fp32 kernels (AVX2, FMA, F16C) cannot be built here: decode runs torch's ops"
+PATHS = ("native bf16", "avx2 fp32")
 PROMPT_LENS = (9, 23, 40, 61, 17, 33)  # six: past the one-thread batch rule (4); several KV blocks each
 
 
-def _engine(model: str, quantization: str) -> LLMEngine:
-    eng = LLMEngine(model, EngineConfig(runner=RunnerConfig(kv_cache_memory=64 << 20, quantization=quantization),
-                                        prefix_caching=False))  # a second run recomputes its prompt
-    if eng.runner.dtype != torch.float32:
-        pytest.skip(NATIVE_BF16)
+def _engine(model: str, quantization: str, path: str) -> LLMEngine:
+    if path == "native bf16":
+        built_or_skip(build.library(), build.BF16, "bf16 kernels", NO_NATIVE_BF16)
     built_or_skip(build.layer_f32_library(), build.BF16W, "fp32 layer kernels", NO_KERNELS)
-    assert eng.runner.cpu_step is not None, "the AVX2 fp32 path should decode in one call"
+    saved = os.environ.get("PHASESPLIT_NATIVE_BF16")
+    if path == "avx2 fp32":  # read once, when the runner picks its dtype
+        os.environ["PHASESPLIT_NATIVE_BF16"] = "0"
+    try:
+        eng = LLMEngine(model, EngineConfig(runner=RunnerConfig(kv_cache_memory=64 << 20, quantization=quantization),
+                                            prefix_caching=False))  # a second run recomputes its prompt
+    finally:
+        if saved is None:
+            os.environ.pop("PHASESPLIT_NATIVE_BF16", None)
+        else:
+            os.environ["PHASESPLIT_NATIVE_BF16"] = saved
+    want = torch.bfloat16 if path == "native bf16" else torch.float32
+    if eng.runner.dtype != want:
+        pytest.skip(NO_NATIVE_BF16)
+    assert eng.runner.cpu_step is not None, f"the {path} path should decode in one call"
     return eng
 
 
-@pytest.fixture(scope="module", params=["bf16 weights", "q8_0", "q4_1"])
+@pytest.fixture(scope="module", params=[(m, p) for p in PATHS for m in ("bf16 weights", "q8_0", "q4_1")],
+                ids=lambda mp: f"{mp[1]}-{mp[0]}")
 def engine(request) -> LLMEngine:
-    if request.param == "bf16 weights":
-        return _engine("smollm2", "none")
-    return _engine(str(q8_0_copy() if request.param == "q8_0" else builtin_gguf("smollm2")), request.param)
+    weights, path = request.param
+    if weights == "bf16 weights":
+        return _engine("smollm2", "none", path)
+    return _engine(str(q8_0_copy() if weights == "q8_0" else builtin_gguf("smollm2")), weights, path)
 
 
 def _prompts() -> list[list[int]]:
@@ -74,8 +93,9 @@ def test_batch_past_the_one_thread_rule_same_tokens(engine: LLMEngine) -> None:
     assert one_call == layered and all(len(t) == 20 for t in one_call)
 
 
-def test_rejected_arguments_leave_the_forward_serving(caplog) -> None:
-    eng = _engine("smollm2", "none")
+@pytest.mark.parametrize("path", PATHS)
+def test_rejected_arguments_leave_the_forward_serving(caplog, path: str) -> None:
+    eng = _engine("smollm2", "none", path)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = _prompts()[:3]
     want = eng.generate(prompts, params)
