@@ -1,19 +1,20 @@
 """Decode-only CPU steps in one C call: kernels/decode_step_bf16.c on the native bf16 path
 (AVX512-BF16), kernels/decode_step_f32.c on the fp32-activation one (AVX2 CPUs without it).
 
-With bf16 or GGUF-block weights on either path, a batch-1 decode step of SmolLM2 is ~300 kernel calls, and the Python between them
-(module calls, views, ctypes argument conversion, an output allocation per call) took a fifth to
-a quarter of the step: as long as attention and the norms together, and a fixed cost that kept
-a Q8_0 step (half a bf16 step's weight bytes) from being much faster than a bf16 one. Here the
-step's arguments are laid out once per model (weights, norms, caches per layer) and once per
-step (tables, RoPE angles, buffers), and C runs every layer, the final norm and the LM head.
+With bf16 or GGUF-block weights on either path, a batch-1 decode step of SmolLM2 is ~300 kernel
+calls, and the Python between them (module calls, views, ctypes argument conversion, an output
+allocation per call) took a fifth to a quarter of the step: as long as attention and the norms
+together, and a fixed cost that kept a Q8_0 step (half a bf16 step's weight bytes) from being
+much faster than a bf16 one. Here the step's arguments are laid out once per model (weights,
+norms, caches per layer) and once per step (tables, RoPE angles, buffers), and C runs every
+layer, the final norm and the LM head.
 
 The same kernels run with the same arguments in the same order as the layer-by-layer forward
 (llama.py; on bf16 activations a GGUF projection widens its input and rounds its fp32 sums as
-cpu_quant.matmul does), so the logits are the same bits: the first step is checked against that forward and
-any difference, or a kernel rejecting its arguments, turns this off for the process (logged
-once) with the forward serving on, as cuda_graphs.py does on a GPU. PHASESPLIT_CPU_DECODE_STEP=0
-keeps the forward.
+cpu_quant.matmul does), so the logits are the same bits: the first step is checked against that
+forward and any difference, or a kernel rejecting its arguments, turns this off for the process
+(logged once) with the forward serving on, as cuda_graphs.py does on a GPU.
+PHASESPLIT_CPU_DECODE_STEP=0 keeps the forward.
 """
 
 from __future__ import annotations

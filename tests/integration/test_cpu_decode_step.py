@@ -29,22 +29,17 @@ PROMPT_LENS = (9, 23, 40, 61, 17, 33)  # six: past the one-thread batch rule (4)
 
 def _engine(model: str, quantization: str, path: str) -> LLMEngine:
     if path == "native bf16":
+        if os.environ.get("PHASESPLIT_NATIVE_BF16") == "0":
+            pytest.skip("PHASESPLIT_NATIVE_BF16=0 is set: this run serves the AVX2 fp32 path only")
         built_or_skip(build.library(), build.BF16, "bf16 kernels", NO_NATIVE_BF16)
     built_or_skip(build.layer_f32_library(), build.BF16W, "fp32 layer kernels", NO_KERNELS)
-    saved = os.environ.get("PHASESPLIT_NATIVE_BF16")
-    if path == "avx2 fp32":  # read once, when the runner picks its dtype
-        os.environ["PHASESPLIT_NATIVE_BF16"] = "0"
-    try:
+    with pytest.MonkeyPatch.context() as env:  # read once, when the runner picks its dtype
+        if path == "avx2 fp32":
+            env.setenv("PHASESPLIT_NATIVE_BF16", "0")
         eng = LLMEngine(model, EngineConfig(runner=RunnerConfig(kv_cache_memory=64 << 20, quantization=quantization),
                                             prefix_caching=False))  # a second run recomputes its prompt
-    finally:
-        if saved is None:
-            os.environ.pop("PHASESPLIT_NATIVE_BF16", None)
-        else:
-            os.environ["PHASESPLIT_NATIVE_BF16"] = saved
     want = torch.bfloat16 if path == "native bf16" else torch.float32
-    if eng.runner.dtype != want:
-        pytest.skip(NO_NATIVE_BF16)
+    assert eng.runner.dtype == want, f"dtype auto should be {want} on the {path} path"
     assert eng.runner.cpu_step is not None, f"the {path} path should decode in one call"
     return eng
 
