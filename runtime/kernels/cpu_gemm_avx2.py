@@ -44,6 +44,8 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.ps_qgemm.restype = ctypes.c_int
     lib.ps_qgemm_shared.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + [ctypes.c_int]
     lib.ps_qgemm_shared.restype = ctypes.c_int
+    lib.ps_qx16_supported.argtypes = []
+    lib.ps_qx16_supported.restype = ctypes.c_int
     # The AVX512-BF16 matmul (another library, gemm_bf16.c) shared with the helpers: its blocks'
     # function by address (cpu_gemm.shared_call).
     lib.ps_bf16_shared.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int] * 2
@@ -177,9 +179,15 @@ def check_shared(lib: ctypes.CDLL, rounds: int = 20) -> None:
                                         f"inner {k}, act {act}: code {rc})")
     from phasesplit.runtime.kernels import cpu_quant
 
-    for qtype, m, n, k, with_res in ((cpu_quant.Q8_0, 1, 1000, 64, True), (cpu_quant.Q4_0, 2, 97, 96, False),
-                                     (cpu_quant.Q4_1, 3, 576, 128, True), (cpu_quant.Q8_0, 4, 40, 32, False)):
-        blocks = cpu_quant.quantize(torch.randn(n, k, generator=g), qtype)
+    cases = [(cpu_quant.Q8_0, 1, 1000, 64, True), (cpu_quant.Q4_0, 2, 97, 96, False),
+             (cpu_quant.Q4_1, 3, 576, 128, True), (cpu_quant.Q8_0, 4, 40, 32, False)]
+    if cpu_quant.x16_supported(lib):  # weights packed 16 rows to a tile (quant_x16.c), where they are used
+        cases += [(cpu_quant.Q8_0 + cpu_quant.X16, 1, 1008, 64, True), (cpu_quant.Q4_1 + cpu_quant.X16, 3, 576, 128, True),
+                  (cpu_quant.Q4_0 + cpu_quant.X16, 2, 96, 96, False)]
+    for qtype, m, n, k, with_res in cases:
+        blocks = cpu_quant.quantize(torch.randn(n, k, generator=g), cpu_quant.base_type(qtype))
+        if qtype > cpu_quant.X16:
+            blocks = cpu_quant.pack_x16(blocks, cpu_quant.base_type(qtype))
         x = torch.randn(m, k, generator=g)
         r = torch.randn(m, n, generator=g) if with_res else None
         res = None if r is None else r.data_ptr()
@@ -190,7 +198,7 @@ def check_shared(lib: ctypes.CDLL, rounds: int = 20) -> None:
             rc = lib.ps_qgemm_shared(x.data_ptr(), blocks.data_ptr(), res, got.data_ptr(), m, n, k,
                                      blocks.stride(0), qtype)
             if rc != 0 or not torch.equal(got, want):
-                raise KernelUnavailable(f"shared quantized matmul differs from one thread's ({cpu_quant.NAMES[qtype]}, "
+                raise KernelUnavailable(f"shared quantized matmul differs from one thread's ({cpu_quant.name(qtype)}, "
                                         f"rows {m}, cols {n}, inner {k}: code {rc})")
     check_shared_attention(lib, g, rounds)
     native = build.library()  # the AVX512-BF16 kernels, where this CPU has them

@@ -10,7 +10,7 @@
 // 32-bit lanes, and one fused multiply-add applies the product of the two blocks' scales.
 //   Q4_x weights are 0..15 (unsigned), so they go straight into vpmaddubsw's unsigned side; their
 //   offset (Q4_1's m, Q4_0's -8 d) multiplies the activation block's sum, which is precomputed
-//   per block (s = d * sum(q)), so it costs one scalar multiply-add per block.
+//   per block (s = sum(q), exact as a float), so it costs one scalar multiply-add per block.
 //   Q8_0 weights are signed: |w| goes on the unsigned side and the activation takes w's sign
 //   (vpsignb), which leaves each product unchanged.
 // Products stay exact in 16 bits: 127 * 127 * 2 and 15 * 127 * 2 are below 32767.
@@ -18,6 +18,10 @@
 // Work is split over output columns (weight rows) in tiles of TILE_N rows; within a tile the
 // activation rows are taken four at a time, so each unpacked weight block serves four rows and
 // the tile's weights and the four activation rows stay in L1.
+//
+// Weights packed 16 rows to a tile (types X16 + the GGUF type, cpu_quant.pack_x16) go to
+// quant_x16.c's AVX512-VNNI kernel instead; this file quantizes their activations and
+// dequantizes them for the wide calls all the same.
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -28,6 +32,7 @@
 #define T_Q4_0 2
 #define T_Q4_1 3
 #define T_Q8_0 8
+#define X16 100 /* + the GGUF type: 16 rows interleaved (quant_x16.c) */
 // Bytes ahead of the block being read to prefetch: a weight row's blocks are read in order, rows
 // one after another. Measured here (30 layers' Q8_0 matmuls at one row, 143 MB, A/B twice on a
 // noisy host): one thread 17-19 -> 14.4-14.5 ms, shared with a helper 11.2-12.7 -> 10.9-11.7 ms.
@@ -60,7 +65,8 @@ static inline int hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(a);
 }
 
-// One activation row -> int8 blocks q, their scales d and d * sum(q) (for the Q4 offsets).
+// One activation row -> int8 blocks q, their scales d and sum(q) (for the Q4 offsets, and the
+// X16 kernel's unsigned weights).
 static void quantize_row(const float *x, long k, int8_t *q, float *d, float *s) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -81,7 +87,7 @@ static void quantize_row(const float *x, long k, int8_t *q, float *d, float *s) 
     __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
     _mm256_storeu_si256((__m256i *)(q + b * QK), _mm256_permutevar8x32_epi32(p, order));
     d[b] = db;
-    s[b] = db * (float)sum;
+    s[b] = (float)sum;
   }
 }
 
@@ -118,7 +124,7 @@ static inline __attribute__((always_inline)) void row_dot(const int type, const 
       if (type == T_Q8_0) y = _mm256_sign_epi8(y, wv);
       const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wu, y), ones));
       acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * d[r * nb + b]), dot, acc[r]);
-      if (type != T_Q8_0) offs[r] += mw * s[r * nb + b];
+      if (type != T_Q8_0) offs[r] += mw * (d[r * nb + b] * s[r * nb + b]);
     }
   }
   for (int r = 0; r < R; r++) res[r] = hsum_ps(acc[r]) + offs[r];
@@ -158,8 +164,16 @@ void ps_q_quantize_rows(const float *x, long m, long k, int8_t *q, float *d, flo
   for (long i = 0; i < m; i++) quantize_row(x + i * k, k, q + i * k, d + i * nb, s + i * nb);
 }
 
+void ps_qx16_tiles(int type, const uint8_t *w, long t0, long t1, long m, long n, long k, const int8_t *q,
+                   const float *d, const float *s, const float *residual, float *out);
+void ps_qx16_unpack_block(int type, const uint8_t *tile, long b, uint8_t *out);
+
 void ps_q_tiles(int type, const uint8_t *w, long row_bytes, long t0, long t1, long m, long n, long k,
                 const int8_t *q, const float *d, const float *s, const float *residual, float *out) {
+  if (type > X16) {
+    ps_qx16_tiles(type - X16, w, t0, t1, m, n, k, q, d, s, residual, out);
+    return;
+  }
   for (long t = t0; t < t1; t++) {
     const long j0 = t * TILE_N, j1 = j0 + TILE_N < n ? j0 + TILE_N : n;
     if (type == T_Q8_0) tile(T_Q8_0, w, row_bytes, j0, j1, m, n, k, q, d, s, residual, out);
@@ -169,12 +183,15 @@ void ps_q_tiles(int type, const uint8_t *w, long row_bytes, long t0, long t1, lo
 }
 
 static long block_bytes(int type) {
+  if (type > X16) type -= X16;
   return type == T_Q8_0 ? 34 : type == T_Q4_1 ? 20 : type == T_Q4_0 ? 18 : 0;
 }
 
-// Whether ps_qgemm takes these arguments (its checks, for decode_helpers.c's shared call).
+// Whether ps_qgemm takes these arguments (its checks, for decode_helpers.c's shared call). Packed
+// weights come in whole tiles of 16 rows with no gap between rows.
 int ps_q_args_ok(long m, long n, long k, long row_bytes, int type) {
   const long bb = block_bytes(type);
+  if (type > X16 && (n % 16 || row_bytes != (k / QK) * bb)) return 0;
   return bb != 0 && m >= 1 && n >= 1 && k >= QK && k % QK == 0 && row_bytes >= (k / QK) * bb;
 }
 
@@ -182,8 +199,7 @@ int ps_q_args_ok(long m, long n, long k, long row_bytes, int type) {
 // Returns 0, -1 for arguments the kernel does not take, -2 when out of memory.
 int ps_qgemm(const float *x, const uint8_t *w, const float *residual, float *out, long m, long n, long k,
              long row_bytes, int type, int threads) {
-  const long bb = block_bytes(type);
-  if (bb == 0 || m < 1 || n < 1 || k < QK || k % QK || row_bytes < (k / QK) * bb || threads < 1) return -1;
+  if (!ps_q_args_ok(m, n, k, row_bytes, type) || threads < 1) return -1;
   const long nb = k / QK;
   int8_t *q = malloc((size_t)(m * k));
   float *ds = malloc(sizeof(float) * (size_t)(2 * m * nb));
@@ -207,43 +223,59 @@ int ps_qgemm(const float *x, const uint8_t *w, const float *residual, float *out
 // (oneDNN/MKL, 8 multiply-adds per instruction) beats the integer path, whose per-block scaling
 // costs about as many instructions as its products; dequantizing a layer's weight once per call
 // is then a small share of the call.
-int ps_qdequant(const uint8_t *w, float *w_out, long n, long k, long row_bytes, int type, int threads) {
-  const long bb = block_bytes(type);
-  if (bb == 0 || n < 1 || k < QK || k % QK || row_bytes < (k / QK) * bb || threads < 1) return -1;
-  const long nb = k / QK;
+// One GGUF block -> its 32 fp32 weights.
+static inline void dequant_block(int type, const uint8_t *blk, float *o) {
   const __m256i low4 = _mm256_set1_epi8(0x0f);
+  __m256i v;
+  float dw = f16_at(blk), mw = 0.0f;
+  if (type == T_Q8_0) {
+    v = _mm256_loadu_si256((const __m256i *)(blk + 2));
+  } else {
+    const __m128i t = _mm_loadu_si128((const __m128i *)(blk + (type == T_Q4_1 ? 4 : 2)));
+    v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), low4);
+    mw = type == T_Q4_1 ? f16_at(blk + 2) : -8.0f * dw;
+  }
+  const __m256 d = _mm256_set1_ps(dw), m = _mm256_set1_ps(mw);
+  const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+  __m256i parts[4];
+  if (type == T_Q8_0) {
+    parts[0] = _mm256_cvtepi8_epi32(lo);
+    parts[1] = _mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8));
+    parts[2] = _mm256_cvtepi8_epi32(hi);
+    parts[3] = _mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8));
+  } else {
+    parts[0] = _mm256_cvtepu8_epi32(lo);
+    parts[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
+    parts[2] = _mm256_cvtepu8_epi32(hi);
+    parts[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
+  }
+  for (int p = 0; p < 4; p++) _mm256_storeu_ps(o + 8 * p, _mm256_fmadd_ps(_mm256_cvtepi32_ps(parts[p]), d, m));
+}
+
+int ps_qdequant(const uint8_t *w, float *w_out, long n, long k, long row_bytes, int type, int threads) {
+  if (!ps_q_args_ok(1, n, k, row_bytes, type) || threads < 1) return -1;
+  const long nb = k / QK;
+  if (type > X16) {
+    // A packed tile's block back to the 16 rows' GGUF blocks (small, in L1), then as below.
+    const int base = type - X16;
+    const long bb = block_bytes(base);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long t = 0; t < n / 16; t++) {
+      uint8_t rows[16 * 34];
+      const uint8_t *tile = w + t * 16 * row_bytes;
+      for (long b = 0; b < nb; b++) {
+        ps_qx16_unpack_block(base, tile, b, rows);
+        for (int r = 0; r < 16; r++) dequant_block(base, rows + r * bb, w_out + (t * 16 + r) * k + b * QK);
+      }
+    }
+    return 0;
+  }
+  const long bb = block_bytes(type);
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (long j = 0; j < n; j++) {
     const uint8_t *wr = w + j * row_bytes;
     float *o = w_out + j * k;
-    for (long b = 0; b < nb; b++) {
-      const uint8_t *blk = wr + b * bb;
-      __m256i v;
-      float dw = f16_at(blk), mw = 0.0f;
-      if (type == T_Q8_0) {
-        v = _mm256_loadu_si256((const __m256i *)(blk + 2));
-      } else {
-        const __m128i t = _mm_loadu_si128((const __m128i *)(blk + (type == T_Q4_1 ? 4 : 2)));
-        v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), low4);
-        mw = type == T_Q4_1 ? f16_at(blk + 2) : -8.0f * dw;
-      }
-      const __m256 d = _mm256_set1_ps(dw), m = _mm256_set1_ps(mw);
-      const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
-      __m256i parts[4];
-      if (type == T_Q8_0) {
-        parts[0] = _mm256_cvtepi8_epi32(lo);
-        parts[1] = _mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8));
-        parts[2] = _mm256_cvtepi8_epi32(hi);
-        parts[3] = _mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8));
-      } else {
-        parts[0] = _mm256_cvtepu8_epi32(lo);
-        parts[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
-        parts[2] = _mm256_cvtepu8_epi32(hi);
-        parts[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
-      }
-      for (int p = 0; p < 4; p++)
-        _mm256_storeu_ps(o + b * QK + 8 * p, _mm256_fmadd_ps(_mm256_cvtepi32_ps(parts[p]), d, m));
-    }
+    for (long b = 0; b < nb; b++) dequant_block(type, wr + b * bb, o + b * QK);
   }
   return 0;
 }

@@ -91,11 +91,13 @@ class Linear(nn.Module):
 
     def use_blocks(self, blocks: QuantWeight, qlib) -> None:
         """Serve this projection from GGUF blocks through the quantized kernels (`qlib`,
-        build.quant_library()); the dequantized weight is dropped."""
+        build.quant_library()), in the layout they read fastest on this CPU
+        (cpu_quant.for_kernel); the dequantized weight is dropped."""
         want = (self.out_features, self.weight.shape[1] if self.weight.dim() == 2 else blocks.in_features)
         if (blocks.out_features, blocks.in_features) != want:
             raise ValueError(f"quantized weight is {blocks.out_features}x{blocks.in_features}, the layer {want}")
-        self.blocks, self._qlib = blocks, qlib
+        packed, qtype = cpu_quant.for_kernel(qlib, blocks.blocks, blocks.qtype)
+        self.blocks, self._qlib = QuantWeight(packed, qtype, blocks.in_features), qlib
         self._qshared = cpu_quant.shared_call(qlib)  # with the decode helpers, as the bf16 one
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 

@@ -36,7 +36,8 @@ MODES = ("none", "auto", "q8_0", "q4_0", "q4_1")
 
 @dataclass(frozen=True)
 class QuantWeight:
-    """A [out_features, in_features] weight as rows of GGUF blocks (uint8 [N, K/32 * block bytes])."""
+    """A [out_features, in_features] weight as rows of GGUF blocks (uint8 [N, K/32 * block bytes]),
+    or those bytes packed for the kernel (qtype cpu_quant.X16 + the GGUF type, cpu_quant.pack_x16)."""
 
     blocks: torch.Tensor
     qtype: int
@@ -48,7 +49,7 @@ class QuantWeight:
 
     @property
     def name(self) -> str:
-        return cpu_quant.NAMES[self.qtype]
+        return cpu_quant.name(self.qtype)
 
     def dequantize(self) -> torch.Tensor:
         return cpu_quant.dequantize(self.blocks, self.qtype, self.in_features)

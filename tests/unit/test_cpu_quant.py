@@ -89,6 +89,91 @@ def test_dense_path_for_many_rows_matches_torch(kind: str) -> None:
     torch.testing.assert_close(got, F.linear(x, dense) + r, rtol=1e-5, atol=1e-4)
 
 
+NO_X16 = ("this CPU lacks AVX512-VNNI, so weights stay in the file's row layout and the packed (X16) kernel "
+          "of quant_x16.c is never used here")
+
+
+def _x16_lib():
+    lib = _lib()
+    if not lib.ps_qx16_supported():
+        pytest.skip(NO_X16)
+    return lib
+
+
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_x16_packing_moves_bytes_only_and_unpacks_exactly(kind: str) -> None:
+    """pack_x16 is a permutation of the file's bytes (Q8_0's values xor 0x80): tile 0's first block
+    starts with rows 0-15's scales, and unpacking gives the file's rows back."""
+    qtype = TYPES[kind]
+    g = torch.Generator().manual_seed(6)
+    blocks = cpu_quant.quantize(torch.randn(48, 96, generator=g), qtype)
+    packed = cpu_quant.pack_x16(blocks, qtype)
+    assert packed.shape == blocks.shape and packed.dtype == torch.uint8
+    assert not torch.equal(packed, blocks)
+    assert torch.equal(packed[0, :32].view(16, 2), blocks[:16, :2])  # block 0's scales, row after row
+    if qtype != cpu_quant.Q8_0:  # Q4's bytes are only moved
+        assert sorted(packed.numpy().ravel().tolist()) == sorted(blocks.numpy().ravel().tolist())
+    assert torch.equal(cpu_quant.unpack_x16(packed, qtype + cpu_quant.X16), blocks)
+    assert torch.equal(cpu_quant.dequantize(packed, qtype + cpu_quant.X16, 96), cpu_quant.dequantize(blocks, qtype, 96))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kind", list(TYPES))
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 16, 32), (1, 48, 576), (2, 32, 96), (3, 96, 64), (4, 16, 1536),
+                                           (5, 160, 160), (7, 48, 576), (33, 64, 224)])
+def test_x16_matmul_matches_torch(kind: str, m: int, n: int, k: int, threads: int) -> None:
+    """The packed kernel computes what the row-layout one does (the same integer block products
+    and scales; only the order of float additions differs)."""
+    lib = _x16_lib()
+    qtype = TYPES[kind]
+    g = torch.Generator().manual_seed(m * 1000 + n + k + 7)
+    blocks = cpu_quant.quantize(torch.randn(n, k, generator=g), qtype)
+    packed = cpu_quant.pack_x16(blocks, qtype)
+    x = torch.randn(m, k, generator=g) * 3
+    x[0, :32] = 0.0
+    residual = torch.randn(m, n, generator=g)
+    with build.num_threads(threads):
+        got = cpu_quant.matmul(lib, x, packed, qtype + cpu_quant.X16)
+        got_res = cpu_quant.matmul(lib, x, packed, qtype + cpu_quant.X16, residual=residual)
+        plain = cpu_quant.matmul(lib, x, blocks, qtype)
+    want = _emulated(x, blocks, qtype, k)
+    tol = 1e-5 * (1 + want.abs().max().item())
+    assert (got.double() - want).abs().max().item() <= tol
+    assert (got_res.double() - (want + residual.double())).abs().max().item() <= tol
+    assert (got - plain).abs().max().item() <= 2 * tol
+
+
+def test_x16_dense_path_and_bad_shapes() -> None:
+    """From DENSE_ROWS rows on, packed weights are dequantized (exactly the file's values); a
+    packed weight whose rows are not whole tiles is refused."""
+    lib = _x16_lib()
+    g = torch.Generator().manual_seed(8)
+    for qtype in TYPES.values():
+        blocks = cpu_quant.quantize(torch.randn(64, 96, generator=g), qtype)
+        packed = cpu_quant.pack_x16(blocks, qtype)
+        dense = cpu_quant.dequantize(blocks, qtype, 96)
+        assert torch.equal(cpu_quant.dequantize_fast(lib, packed, qtype + cpu_quant.X16, 96), dense)
+        x = torch.randn(cpu_quant.DENSE_ROWS, 96, generator=g)
+        torch.testing.assert_close(cpu_quant.matmul(lib, x, packed, qtype + cpu_quant.X16), F.linear(x, dense),
+                                   rtol=1e-5, atol=1e-4)
+    with pytest.raises(build.KernelUnavailable, match="rejected.*packed"):
+        cpu_quant.matmul(lib, torch.randn(1, 96), packed[:40], cpu_quant.Q4_1 + cpu_quant.X16)
+
+
+def test_weights_are_packed_where_the_kernel_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    lib = _lib()
+    blocks = cpu_quant.quantize(torch.randn(48, 64), cpu_quant.Q8_0)
+    got, qtype = cpu_quant.for_kernel(lib, blocks, cpu_quant.Q8_0)
+    if lib.ps_qx16_supported():
+        assert qtype == cpu_quant.Q8_0 + cpu_quant.X16 and torch.equal(got, cpu_quant.pack_x16(blocks, cpu_quant.Q8_0))
+    else:
+        assert qtype == cpu_quant.Q8_0 and got is blocks
+    odd = blocks[:40]  # not whole tiles: as it is
+    assert cpu_quant.for_kernel(lib, odd, cpu_quant.Q8_0) == (odd, cpu_quant.Q8_0)
+    monkeypatch.setenv("PHASESPLIT_QUANT_X16", "0")
+    assert cpu_quant.for_kernel(lib, blocks, cpu_quant.Q8_0) == (blocks, cpu_quant.Q8_0)
+
+
 def test_rows_do_not_depend_on_the_batch() -> None:
     """A row's result is the same alone or among others (the 4-row groups and tails)."""
     lib = _lib()

@@ -158,9 +158,19 @@ def _q_shared(lib, x, blocks, qtype, res) -> torch.Tensor:
         return cpu_quant.matmul(lib, x, blocks, qtype, res, shared=lib.ps_qgemm_shared)
 
 
-@pytest.mark.parametrize(("qtype", "m", "n", "k", "residual"), QCASES)
+# The same with weights packed 16 rows to a tile (quant_x16.c), where this CPU runs that kernel.
+X16CASES = [(cpu_quant.Q8_0 + cpu_quant.X16, 1, 576, 576, True), (cpu_quant.Q4_0 + cpu_quant.X16, 2, 992, 96, False),
+            (cpu_quant.Q4_1 + cpu_quant.X16, 3, 1536, 576, True), (cpu_quant.Q4_1 + cpu_quant.X16, 1, 16, 64, True),
+            (cpu_quant.Q8_0 + cpu_quant.X16, 1, 49152, 576, False)]
+
+
+@pytest.mark.parametrize(("qtype", "m", "n", "k", "residual"), QCASES + X16CASES)
 def test_shared_quantized_matmul_gives_the_one_thread_kernels_bits(lib, qtype, m, n, k, residual) -> None:
-    x, blocks, res = _qcase(qtype, m, n, k, residual, seed=qtype * 31 + m * 7919 + n + k)
+    if qtype > cpu_quant.X16 and not lib.ps_qx16_supported():
+        pytest.skip("this CPU lacks AVX512-VNNI: weights are never packed for quant_x16.c's kernel here")
+    x, blocks, res = _qcase(cpu_quant.base_type(qtype), m, n, k, residual, seed=qtype * 31 + m * 7919 + n + k)
+    if qtype > cpu_quant.X16:
+        blocks = cpu_quant.pack_x16(blocks, cpu_quant.base_type(qtype))
     want = _q_one_thread(lib, x, blocks, qtype, res)
     for _ in range(20):
         assert torch.equal(_q_shared(lib, x, blocks, qtype, res), want)
