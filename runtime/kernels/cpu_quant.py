@@ -48,6 +48,10 @@ def name(qtype: int) -> str:
 # torch's fp32 matmul (see ps_qdequant); below, the integer kernel. Measured here (one core, CPU
 # time, a 3072 x 576 weight): Q8_0 1 row 0.17 ms vs 0.73 for fp32 oneDNN/MKL, 32 rows 3.0 vs 5.2,
 # 128 rows 11.9 vs 13.4 (dequantize + fp32 14.3), 512 rows 49.7 vs 39.5 dequantize + fp32.
+# Weights packed for quant_x16.c never take that path by default: its integer kernel beat both
+# dequantize + fp32 and torch's bf16 matmul at every row count measured (2 threads, Zen 4, a
+# 576 x 1536 weight: 128 rows 0.4 ms vs 1.5-1.75 dequantize + fp32 and 0.6 bf16; 512 rows
+# 1.7-2.3 vs 13 and 2.5), and so a row's result never depends on its batch.
 DENSE_ROWS = 128
 
 
@@ -125,12 +129,13 @@ def shared_call(lib: ctypes.CDLL | None) -> Callable[..., int] | None:
 
 def matmul(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, qtype: int,
            residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-           dense_rows: int = DENSE_ROWS, shared: ctypes._CFuncPtr | None = None) -> torch.Tensor:
+           dense_rows: int | None = None, shared: ctypes._CFuncPtr | None = None) -> torch.Tensor:
     """x [M, K] @ W^T (+ residual [M, N]) with W as `blocks` [N, K/32 * block bytes] uint8.
 
     The kernels work in fp32: other activations are converted in and the result converted back
-    to `out_dtype` (default: x's dtype). From `dense_rows` rows on, W is dequantized for the
-    call and torch multiplies (no activation rounding then). `shared` (the bf16w library's
+    to `out_dtype` (default: x's dtype). From `dense_rows` rows on (default: DENSE_ROWS for the
+    file's row layout, never for packed weights), W is dequantized for the call and torch
+    multiplies (no activation rounding then). `shared` (the bf16w library's
     ps_qgemm_shared): when torch runs one thread (the runner's decode steps of a few sequences),
     the call is shared with the decode helpers, if started; the same bits either way."""
     out_dtype = out_dtype or x.dtype
@@ -139,6 +144,8 @@ def matmul(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, qtype: int,
     n = blocks.shape[0]
     if residual is not None:
         residual = residual.contiguous() if residual.dtype == torch.float32 else residual.float().contiguous()
+    if dense_rows is None:
+        dense_rows = DENSE_ROWS if qtype < X16 else m + 1
     if m >= dense_rows:
         w = dequantize_fast(lib, blocks, qtype, k)
         out = F.linear(xf, w) if residual is None else torch.addmm(residual, xf, w.t())

@@ -112,8 +112,9 @@ def perplexity(eng: LLMEngine, ids: list[int]) -> float:
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_native_perplexity_within_one_percent(kind: str) -> None:
     """The text is prefilled in chunks of 64 tokens: below cpu_quant.DENSE_ROWS, so every
-    projection and the head run the integer kernel (a 512-token chunk would take the dequantize
-    + fp32 path, which only differs from the reference in summation order)."""
+    projection and the head run the integer kernel in either layout (in the file's row layout a
+    512-token chunk would take the dequantize + fp32 path, which only differs from the reference
+    in summation order; packed weights never do)."""
     assert 64 < cpu_quant.DENSE_ROWS
     model = q8_0_copy() if kind == "q8_0" else builtin_gguf("smollm2")
     ref_engine = engine(model, "none", step_tokens=64)

@@ -144,8 +144,9 @@ def test_x16_matmul_matches_torch(kind: str, m: int, n: int, k: int, threads: in
 
 
 def test_x16_dense_path_and_bad_shapes() -> None:
-    """From DENSE_ROWS rows on, packed weights are dequantized (exactly the file's values); a
-    packed weight whose rows are not whole tiles is refused."""
+    """Packed weights take the integer kernel at any row count by default, and when asked to
+    (dense_rows) are dequantized to exactly the file's values; a packed weight whose rows are not
+    whole tiles is refused."""
     lib = _x16_lib()
     g = torch.Generator().manual_seed(8)
     for qtype in TYPES.values():
@@ -154,8 +155,12 @@ def test_x16_dense_path_and_bad_shapes() -> None:
         dense = cpu_quant.dequantize(blocks, qtype, 96)
         assert torch.equal(cpu_quant.dequantize_fast(lib, packed, qtype + cpu_quant.X16, 96), dense)
         x = torch.randn(cpu_quant.DENSE_ROWS, 96, generator=g)
-        torch.testing.assert_close(cpu_quant.matmul(lib, x, packed, qtype + cpu_quant.X16), F.linear(x, dense),
-                                   rtol=1e-5, atol=1e-4)
+        got = cpu_quant.matmul(lib, x, packed, qtype + cpu_quant.X16, dense_rows=cpu_quant.DENSE_ROWS)
+        torch.testing.assert_close(got, F.linear(x, dense), rtol=1e-5, atol=1e-4)
+        wide = cpu_quant.matmul(lib, x, packed, qtype + cpu_quant.X16)  # the integer kernel, row by row
+        assert torch.equal(wide[:3], cpu_quant.matmul(lib, x[:3], packed, qtype + cpu_quant.X16))
+        want = _emulated(x, blocks, qtype, 96)
+        assert (wide.double() - want).abs().max().item() <= 1e-5 * (1 + want.abs().max().item())
     with pytest.raises(build.KernelUnavailable, match="rejected.*packed"):
         cpu_quant.matmul(lib, torch.randn(1, 96), packed[:40], cpu_quant.Q4_1 + cpu_quant.X16)
 
