@@ -209,11 +209,17 @@ int ps_qgemm(const float *x, const uint8_t *w, const float *residual, float *out
     return -2;
   }
   float *d = ds, *s = ds + m * nb;
-#pragma omp parallel for schedule(static) num_threads(threads) if (m >= 8)
-  for (long i = 0; i < m; i++) quantize_row(x + i * k, k, q + i * k, d + i * nb, s + i * nb);
   const long tiles = (n + TILE_N - 1) / TILE_N;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (long t = 0; t < tiles; t++) ps_q_tiles(type, w, row_bytes, t, t + 1, m, n, k, q, d, s, residual, out);
+  // One parallel region for both loops: a decode step of a few dozen rows makes ~120 of these
+  // calls, and each region's start and end (a futex wake with passive waits) cost more than
+  // quantizing the rows.
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (long i = 0; i < m; i++) quantize_row(x + i * k, k, q + i * k, d + i * nb, s + i * nb);
+#pragma omp for schedule(static)
+    for (long t = 0; t < tiles; t++) ps_q_tiles(type, w, row_bytes, t, t + 1, m, n, k, q, d, s, residual, out);
+  }
   free(q);
   free(ds);
   return 0;
