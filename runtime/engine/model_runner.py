@@ -265,7 +265,7 @@ class ModelRunner:
         self.cpu_step = (CpuDecodeStep.create(model, self.kv_cache, self.block_size, self.paged_kernel)
                          if self.device.type == "cpu" and self.tp_size == 1 else None)
         self.decode_helpers = self._start_decode_helpers(
-            sum(layouts.get(name, 0) for name in ("bf16w_avx2", "cpu_gemm", *cpu_quant.NAMES.values())))
+            sum(layouts.get(name, 0) for name in ("bf16w_avx2", "cpu_gemm", *cpu_quant.LAYOUTS)))
         if self.ranks is not None:
             self.ranks.join(self.device)
             self.ranks.wait_ready()

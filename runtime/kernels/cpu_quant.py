@@ -44,6 +44,14 @@ def name(qtype: int) -> str:
     return NAMES.get(base_type(qtype), str(qtype))
 
 
+def layout_name(qtype: int) -> str:
+    """How the start-up log names a weight's layout: the GGUF type, "x16" added when packed."""
+    return name(qtype) + (" x16" if qtype > X16 else "")
+
+
+LAYOUTS = tuple(NAMES.values()) + tuple(f"{n} x16" for n in NAMES.values())
+
+
 # From this many activation rows on, the weight is dequantized for the call and multiplied by
 # torch's fp32 matmul (see ps_qdequant); below, the integer kernel. Measured here (one core, CPU
 # time, a 3072 x 576 weight): Q8_0 1 row 0.17 ms vs 0.73 for fp32 oneDNN/MKL, 32 rows 3.0 vs 5.2,

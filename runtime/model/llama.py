@@ -161,7 +161,7 @@ class Linear(nn.Module):
         check fails.
         """
         if self.blocks is not None:
-            return self.blocks.name
+            return cpu_quant.layout_name(self.blocks.qtype)
         w = self.weight
         if bf16_weights and w.device.type == "cpu" and w.dtype == torch.float32 and w.shape[1] % 2 == 0:
             lib = build.bf16w_library()
