@@ -63,7 +63,8 @@ BF16 = Spec("phasesplit_kernels", SOURCES, HEADERS, tuple(FLAGS), CPU_FLAGS)
 # quant_x16.c, in both libraries that hold quant_gemm.c, is the AVX512-VNNI kernel for weights packed
 # 16 rows to a tile; its functions are compiled for those instructions alone and only used where
 # the library says the CPU has them (ps_qx16_supported).
-QUANT = Spec("phasesplit_quant", (Path(__file__).with_name("quant_gemm.c"), Path(__file__).with_name("quant_x16.c")), (),
+QUANT = Spec("phasesplit_quant", (Path(__file__).with_name("quant_gemm.c"), Path(__file__).with_name("quant_x16.c")),
+             (Path(__file__).with_name("quant_blocks.h"),),
              ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"), ("avx2", "fma", "f16c"))
 # bf16 weights with fp32 activations where AVX512-BF16 is missing (cpu_gemm_avx2.py): AVX2 + FMA.
 # With it, that matmul and the quantized one (quant_gemm.c again: the helpers call its tiles)
@@ -76,7 +77,7 @@ BF16W = Spec("phasesplit_bf16w", (Path(__file__).with_name("gemm_bf16w_avx2.c"),
                                   # step over them and the matmuls in one call (cpu_decode_step.py)
                                   Path(__file__).with_name("layer_f32_avx2.c"),
                                   Path(__file__).with_name("decode_step_f32.c")),
-             (Path(__file__).with_name("decode_step.h"),),
+             (Path(__file__).with_name("decode_step.h"), Path(__file__).with_name("quant_blocks.h")),
              ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-pthread", "-fPIC", "-shared"), ("avx2", "fma", "f16c"))
 
 

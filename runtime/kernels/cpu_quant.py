@@ -88,9 +88,13 @@ def for_kernel(lib: ctypes.CDLL, blocks: torch.Tensor, qtype: int) -> tuple[torc
     return blocks, qtype
 
 
-def _parts(qtype: int) -> tuple[int, int]:
-    """A block's fp16 header values (scale, and Q4_1's minimum) and its groups of 4 value bytes."""
-    return (2 if qtype == Q4_1 else 1), (8 if qtype == Q8_0 else 4)
+def _geometry(blocks: torch.Tensor, qtype: int) -> tuple[int, int, int, int, int]:
+    """Of a [N, K/32 * block bytes] weight of GGUF type `qtype`: its tiles of 16 rows, blocks per
+    row, bytes per block, the block's fp16 header values (scale, and Q4_1's minimum) and its
+    groups of 4 value bytes."""
+    bb = BLOCK_BYTES[qtype]
+    return (blocks.shape[0] // TILE, blocks.shape[1] // bb, bb, 2 if qtype == Q4_1 else 1,
+            8 if qtype == Q8_0 else 4)
 
 
 def pack_x16(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
@@ -98,33 +102,27 @@ def pack_x16(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     quant_x16.c: per tile of 16 rows and block, the 16 rows' fp16 header values, then groups of
     4 value bytes of all 16 rows (Q8_0's as q ^ 0x80). Same shape; a "row" of the result is no
     longer one weight row, only whole tiles mean anything."""
-    n, row = blocks.shape
-    bb = BLOCK_BYTES[qtype]
-    nb, tiles = row // bb, n // TILE
-    heads, groups = _parts(qtype)
+    tiles, nb, bb, heads, groups = _geometry(blocks, qtype)
     a = blocks.numpy().reshape(tiles, TILE, nb, bb).transpose(0, 2, 1, 3)  # [tiles, nb, 16, bb]
     head = a[..., : 2 * heads].reshape(tiles, nb, TILE, heads, 2).transpose(0, 1, 3, 2, 4)
     vals = a[..., 2 * heads:].reshape(tiles, nb, TILE, groups, 4).transpose(0, 1, 3, 2, 4)
     if qtype == Q8_0:
         vals = vals ^ np.uint8(0x80)
     out = np.concatenate([head.reshape(tiles, nb, -1), vals.reshape(tiles, nb, -1)], axis=2)
-    return torch.from_numpy(np.ascontiguousarray(out).reshape(n, row))
+    return torch.from_numpy(np.ascontiguousarray(out).reshape(blocks.shape))
 
 
 def unpack_x16(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     """pack_x16's inverse: packed blocks (qtype with or without X16) -> GGUF rows."""
     qtype = base_type(qtype)
-    n, row = blocks.shape
-    bb = BLOCK_BYTES[qtype]
-    nb, tiles = row // bb, n // TILE
-    heads, groups = _parts(qtype)
+    tiles, nb, bb, heads, groups = _geometry(blocks, qtype)
     a = blocks.numpy().reshape(tiles, nb, TILE * bb)
     head = a[..., : 32 * heads].reshape(tiles, nb, heads, TILE, 2).transpose(0, 1, 3, 2, 4)
     vals = a[..., 32 * heads:].reshape(tiles, nb, groups, TILE, 4).transpose(0, 1, 3, 2, 4)
     if qtype == Q8_0:
         vals = vals ^ np.uint8(0x80)
     rows = np.concatenate([head.reshape(tiles, nb, TILE, -1), vals.reshape(tiles, nb, TILE, -1)], axis=3)
-    return torch.from_numpy(np.ascontiguousarray(rows.transpose(0, 2, 1, 3)).reshape(n, row))
+    return torch.from_numpy(np.ascontiguousarray(rows.transpose(0, 2, 1, 3)).reshape(blocks.shape))
 
 
 def shared_call(lib: ctypes.CDLL | None) -> Callable[..., int] | None:

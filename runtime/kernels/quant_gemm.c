@@ -27,12 +27,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define QK 32
+#include "quant_blocks.h"
+
 #define TILE_N 16
-#define T_Q4_0 2
-#define T_Q4_1 3
-#define T_Q8_0 8
-#define X16 100 /* + the GGUF type: 16 rows interleaved (quant_x16.c) */
 // Bytes ahead of the block being read to prefetch: a weight row's blocks are read in order, rows
 // one after another. Measured here (30 layers' Q8_0 matmuls at one row, 143 MB, A/B twice on a
 // noisy host): one thread 17-19 -> 14.4-14.5 ms, shared with a helper 11.2-12.7 -> 10.9-11.7 ms.
@@ -182,11 +179,6 @@ void ps_q_tiles(int type, const uint8_t *w, long row_bytes, long t0, long t1, lo
   }
 }
 
-static long block_bytes(int type) {
-  if (type > X16) type -= X16;
-  return type == T_Q8_0 ? 34 : type == T_Q4_1 ? 20 : type == T_Q4_0 ? 18 : 0;
-}
-
 // Whether ps_qgemm takes these arguments (its checks, for decode_helpers.c's shared call). Packed
 // weights come in whole tiles of 16 rows with no gap between rows.
 int ps_q_args_ok(long m, long n, long k, long row_bytes, int type) {
@@ -225,10 +217,6 @@ int ps_qgemm(const float *x, const uint8_t *w, const float *residual, float *out
   return 0;
 }
 
-// Blocks -> fp32 rows w_out [n, k]: for many activation rows (prefill chunks) a dense fp32 matmul
-// (oneDNN/MKL, 8 multiply-adds per instruction) beats the integer path, whose per-block scaling
-// costs about as many instructions as its products; dequantizing a layer's weight once per call
-// is then a small share of the call.
 // One GGUF block -> its 32 fp32 weights.
 static inline void dequant_block(int type, const uint8_t *blk, float *o) {
   const __m256i low4 = _mm256_set1_epi8(0x0f);
@@ -258,6 +246,11 @@ static inline void dequant_block(int type, const uint8_t *blk, float *o) {
   for (int p = 0; p < 4; p++) _mm256_storeu_ps(o + 8 * p, _mm256_fmadd_ps(_mm256_cvtepi32_ps(parts[p]), d, m));
 }
 
+// Blocks -> fp32 rows w_out [n, k]: for many activation rows (prefill chunks) a dense fp32 matmul
+// (oneDNN/MKL, 8 multiply-adds per instruction) beats the row layout's integer path, whose
+// per-block scaling costs about as many instructions as its products; dequantizing a layer's
+// weight once per call is then a small share of the call. (Packed weights are dequantized only
+// when a caller asks: their kernel beats this at every row count, see cpu_quant.DENSE_ROWS.)
 int ps_qdequant(const uint8_t *w, float *w_out, long n, long k, long row_bytes, int type, int threads) {
   if (!ps_q_args_ok(1, n, k, row_bytes, type) || threads < 1) return -1;
   const long nb = k / QK;

@@ -2,8 +2,10 @@
 //
 // Why: quant_gemm.c's kernel works one weight row at a time, and each 32-weight block costs ~15
 // instructions (unpack, sign tricks, two multiply-add steps, a float conversion and a scale per
-// block and row). On a CPU that reads ~40 GB/s on two cores (Zen 4) that made a batch-1 Q8_0 step
-// compute-bound: 8 ms of matmuls where reading the same 143 MB takes 3. Here one vpdpbusd
+// block and row), so it is compute-bound wherever a weight serves more than one activation row,
+// and for Q4 even at one: on a Zen 4 (2 threads, tests/bench/quant_kernel.py) SmolLM2's
+// projections at 32 rows took 70-80 ms (Q8_0) in that layout and 23-27 packed, Q4_1 at one row
+// 5.3-7.4 ms and 3.1-3.6 packed, where reading its 84 MB takes 2.1-3.1. Here one vpdpbusd
 // multiplies 4 weights of 16 rows by 4 activation bytes broadcast to every lane, so a block of 16
 // rows is 8 dot-product instructions for Q8_0 (16 for Q4_x, high and low nibbles) with the scale
 // work shared by the 16 rows: about a sixth of the instructions per weight.
@@ -24,10 +26,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#define QK 32
-#define T_Q4_0 2
-#define T_Q4_1 3
-#define T_Q8_0 8
+#include "quant_blocks.h"
+
 #define X16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 
 // Whether this CPU runs the X16 kernel (the caller packs weights only then).
@@ -36,8 +36,6 @@ int ps_qx16_supported(void) {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
-
-static inline long gguf_bytes(int type) { return type == T_Q8_0 ? 34 : type == T_Q4_1 ? 20 : 18; }
 
 static inline X16_TARGET __m512i bcast4(const int8_t *y) {
   int32_t v;
@@ -51,7 +49,7 @@ static inline X16_TARGET __attribute__((always_inline)) void x16_rows(const int 
                                                                       const uint8_t *tile, long nb,
                                                                       const int8_t *q, const float *d,
                                                                       const float *s, long k, __m512 *acc) {
-  const long tb = 16 * gguf_bytes(type);
+  const long tb = 16 * block_bytes(type);
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
   for (long b = 0; b < nb; b++) {
@@ -125,7 +123,7 @@ static inline X16_TARGET __attribute__((always_inline)) void x16_tile(const int 
 // Tiles [t0, t1) of 16 output columns each (`type` the GGUF type; w the packed weight, n % 16 == 0).
 X16_TARGET void ps_qx16_tiles(int type, const uint8_t *w, long t0, long t1, long m, long n, long k,
                               const int8_t *q, const float *d, const float *s, const float *residual, float *out) {
-  const long tile_bytes = 16 * (k / QK) * gguf_bytes(type);
+  const long tile_bytes = 16 * (k / QK) * block_bytes(type);
   for (long t = t0; t < t1; t++) {
     const uint8_t *tile = w + t * tile_bytes;
     if (type == T_Q8_0) x16_tile(T_Q8_0, tile, t * 16, m, n, k, q, d, s, residual, out);
@@ -134,10 +132,10 @@ X16_TARGET void ps_qx16_tiles(int type, const uint8_t *w, long t0, long t1, long
   }
 }
 
-// Block b of a packed tile back to the 16 rows' GGUF blocks (out: 16 blocks, gguf_bytes apart),
+// Block b of a packed tile back to the 16 rows' GGUF blocks (out: 16 blocks, block_bytes apart),
 // for the dequantizing path (quant_gemm.c's ps_qdequant).
 void ps_qx16_unpack_block(int type, const uint8_t *tile, long b, uint8_t *out) {
-  const long bb = gguf_bytes(type);
+  const long bb = block_bytes(type);
   const uint8_t *blk = tile + b * 16 * bb;
   const int scales = type == T_Q4_1 ? 2 : 1, groups = type == T_Q8_0 ? 8 : 4;
   const uint8_t *vals = blk + 32 * scales;
