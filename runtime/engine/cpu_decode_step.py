@@ -72,7 +72,7 @@ class StepBf16(ctypes.Structure):
         ("eps", _f), ("scale", _f)] + [(name, _p) for name in (
             "cos", "sin", "slots", "tables", "lens", "x", "xb", "h", "qkv", "attn", "mid", "xf", "rf", "yf",
             "scratch", "final_norm")] + [("head", Proj), ("logits", _p), ("threads", _i)] + [
-        (name, _p) for name in ("bf16_shared", "qgemm", "qgemm_shared", "swiglu_f32")]
+        (name, _p) for name in ("bf16_shared", "qgemm", "qgemm_shared", "swiglu_f32", "attn_shared")]
 
 
 def declare(lib: ctypes.CDLL, name: str, step: type[ctypes.Structure]) -> ctypes._CFuncPtr:
@@ -172,7 +172,9 @@ class CpuDecodeStep:
     @staticmethod
     def _bf16_calls(model: LlamaModel, linears: list[Linear]) -> tuple[dict[str, int | None], str | None]:
         """The AVX2 library's calls the bf16 forward's matmuls reach (the step calls the same):
-        the shared bf16 matmul, the GGUF block kernels, the fp32 SwiGLU after GGUF gate/up."""
+        the shared bf16 matmul, the GGUF block kernels, the fp32 SwiGLU after GGUF gate/up, and the
+        decode attention shared with the decode helpers (where their library is built; it shares
+        only while they run, as the matmuls do)."""
         # cpu_gemm.shared_call: functools.partial(ps_bf16_shared, this library's ps_bf16_blocks)
         shared = {None if lin._gemm_shared is None else (_address(lin._gemm_shared.func), lin._gemm_shared.args)
                   for lin in linears if lin.blocks is None}
@@ -180,7 +182,11 @@ class CpuDecodeStep:
         blocks = _address(build.library().ps_bf16_blocks)
         if len(shared) > 1 or len(quant) > 1 or any(k is not None and k[1] != (blocks,) for k in shared):
             return {}, "the projections reach different matmul libraries"
-        calls: dict[str, int | None] = {"bf16_shared": None, "qgemm": None, "qgemm_shared": None, "swiglu_f32": None}
+        calls: dict[str, int | None] = {"bf16_shared": None, "qgemm": None, "qgemm_shared": None, "swiglu_f32": None,
+                                        "attn_shared": None}
+        helpers = build.bf16w_library()
+        if helpers is not None:
+            calls["attn_shared"] = _address(helpers.ps_decode_attention_bf16_shared)
         if shared and (key := shared.pop()) is not None:
             calls["bf16_shared"] = key[0]
         if quant:
@@ -255,7 +261,7 @@ class CpuDecodeStep:
             step = StepBf16(*common, *work, w["xf"].data_ptr(), w["rf"].data_ptr(), w["yf"].data_ptr(),
                             scratch.data_ptr(), model.norm.data_ptr(), self.head, logits.data_ptr(), threads,
                             self.calls["bf16_shared"], self.calls["qgemm"], self.calls["qgemm_shared"],
-                            self.calls["swiglu_f32"])
+                            self.calls["swiglu_f32"], self.calls["attn_shared"])
         else:
             step = Step(*common, *work, w["gu"].data_ptr(), scratch.data_ptr(), model.norm.data_ptr(), self.head,
                         logits.data_ptr(), threads)

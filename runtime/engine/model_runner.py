@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from phasesplit.runtime.engine.cpu_decode_step import MAX_ROWS as CPU_STEP_ROWS
 from phasesplit.runtime.engine.cpu_decode_step import CpuDecodeStep
 from phasesplit.runtime.engine.cuda_graphs import DecodeGraphs
 from phasesplit.runtime.engine.scheduler import ScheduledBatch
@@ -43,6 +44,10 @@ CPU_DEFAULT_KV_CAP = 1 << 30
 # (torch ops; with the CPU kernels, whose matmuls use the second core better: KERNEL_...).
 SMALL_DECODE_BATCH = 4
 KERNEL_SMALL_DECODE_BATCH = 2
+# ... and on the native bf16 path's one-call step with the decode helpers running, every step it
+# takes: its matmuls and attention are shared with the helpers, whose spin-then-sleep waits and
+# take-back of a late helper's work beat OpenMP's regions at every batch measured here, idle and
+# beside a busy neighbour (docs/benchmarks.md, "Decode steps on the helpers").
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -287,7 +292,9 @@ class ModelRunner:
         CPU kernels' matmuls (AVX2 bf16 weights, AVX512-BF16, GGUF blocks served natively;
         `shareable_weights`: how many projections use them), share them with helper threads of our own
         (kernels/decode_helpers.c): the other cores stream weights too, and a helper whose core is
-        taken is never waited for. PHASESPLIT_DECODE_HELPERS=0 keeps such steps on one thread.
+        taken is never waited for. PHASESPLIT_DECODE_HELPERS=0 keeps such steps on one thread;
+        =small keeps the helpers to the steps of a few sequences on the native bf16 path too (the
+        rule before they took whole one-call steps: an A/B switch for benchmarks).
         Returns how many helpers run."""
         if not (self.small_step_threads and shareable_weights) or os.environ.get("PHASESPLIT_DECODE_HELPERS", "1") == "0":
             return 0
@@ -304,11 +311,18 @@ class ModelRunner:
             log.warning("decode helpers not used: %s", e)
             return 0
         log.info("decode steps of up to %d sequences: matmuls shared by this thread and %d helper thread(s)",
-                 self.small_decode_batch, n)
+                 self._one_thread_limit(n), n)
         return n
 
+    def _one_thread_limit(self, helpers: int) -> int:
+        """The most decode rows a step runs on one thread (plus `helpers` decode helpers)."""
+        if (helpers and self.cpu_step is not None and self.cpu_step.enabled and self.dtype == torch.bfloat16
+                and os.environ.get("PHASESPLIT_DECODE_HELPERS", "1") != "small"):
+            return CPU_STEP_ROWS
+        return self.small_decode_batch
+
     def _set_step_threads(self, prefill: bool, num_decode: int) -> None:
-        small = self.small_step_threads and not prefill and num_decode <= self.small_decode_batch
+        small = self.small_step_threads and not prefill and num_decode <= self._one_thread_limit(self.decode_helpers)
         threads = self.small_step_threads if small else self.threads
         if threads != self._step_threads:
             torch.set_num_threads(threads)

@@ -58,6 +58,11 @@ def declare(lib: ctypes.CDLL) -> None:
     p, n = ctypes.c_void_p, ctypes.c_long
     lib.ps_decode_attention_f32_shared.argtypes = [p, n, p, p, p, n, p, p] + [n] * 5 + [ctypes.c_float, p, n]
     lib.ps_decode_attention_f32_shared.restype = ctypes.c_int
+    # The AVX512-BF16 decode attention (decode_attention_bf16.c, in the other library) with its
+    # tasks shared: that library's ps_attention_tasks_bf16 by address, then ps_decode_attention_bf16's
+    # arguments less `threads`.
+    lib.ps_decode_attention_bf16_shared.argtypes = [p, p, n, p, p, p, n, p, p] + [n] * 5 + [ctypes.c_float, p, n]
+    lib.ps_decode_attention_bf16_shared.restype = ctypes.c_int
 
 
 def pack(weight: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
@@ -161,7 +166,8 @@ def check_shared(lib: ctypes.CDLL, rounds: int = 20) -> None:
     and fp32 outputs); repeated so that the helpers take part in some calls."""
     g = torch.Generator().manual_seed(1)
     for m, n, k, with_res, act in ((1, 1000, 64, True, NONE), (2, 97, 130, False, NONE),
-                                   (3, 576, 96, True, NONE), (1, 384, 66, True, SWIGLU), (2, 1024, 34, False, SWIGLU)):
+                                   (3, 576, 96, True, NONE), (1, 384, 66, True, SWIGLU), (2, 1024, 34, False, SWIGLU),
+                                   (40, 96, 64, True, NONE)):
         w = torch.randn(n, k, generator=g)
         x = torch.randn(m, k, generator=g)
         cols = n // 2 if act == SWIGLU else n
@@ -180,7 +186,7 @@ def check_shared(lib: ctypes.CDLL, rounds: int = 20) -> None:
     from phasesplit.runtime.kernels import cpu_quant
 
     cases = [(cpu_quant.Q8_0, 1, 1000, 64, True), (cpu_quant.Q4_0, 2, 97, 96, False),
-             (cpu_quant.Q4_1, 3, 576, 128, True), (cpu_quant.Q8_0, 4, 40, 32, False)]
+             (cpu_quant.Q4_1, 3, 576, 128, True), (cpu_quant.Q8_0, 4, 40, 32, False), (cpu_quant.Q4_1, 33, 64, 64, True)]
     if cpu_quant.x16_supported(lib):  # weights packed 16 rows to a tile (quant_x16.c), where they are used
         cases += [(cpu_quant.Q8_0 + cpu_quant.X16, 1, 1008, 64, True), (cpu_quant.Q4_1 + cpu_quant.X16, 3, 576, 128, True),
                   (cpu_quant.Q4_0 + cpu_quant.X16, 2, 96, 96, False)]
@@ -206,7 +212,8 @@ def check_shared(lib: ctypes.CDLL, rounds: int = 20) -> None:
         return
     blocks_fn = ctypes.cast(native.ps_bf16_blocks, ctypes.c_void_p).value
     for m, n, k, with_res, act, f32 in ((1, 1000, 64, True, NONE, False), (2, 97, 130, False, NONE, True),
-                                        (3, 576, 96, True, SWIGLU, False), (1, 384, 66, False, SWIGLU, True)):
+                                        (3, 576, 96, True, SWIGLU, False), (1, 384, 66, False, SWIGLU, True),
+                                        (48, 160, 64, True, NONE, False)):
         w = torch.randn(n, k, generator=g).bfloat16()
         x = torch.randn(m, k, generator=g).bfloat16()
         cols = n // 2 if act == SWIGLU else n
@@ -225,26 +232,37 @@ def check_shared(lib: ctypes.CDLL, rounds: int = 20) -> None:
 
 
 def check_shared_attention(lib: ctypes.CDLL, g: torch.Generator, rounds: int) -> None:
-    """The shared fp32 decode attention against one thread's, bit for bit: 1-3 sequences of
-    several blocks, grouped and plain heads, a strided q (a qkv row, as the decode step passes)."""
-    for n, heads, kv_heads, dim, lens in ((1, 9, 3, 64, [40]), (3, 4, 4, 32, [5, 33, 17]), (2, 8, 2, 128, [70, 3])):
-        block, blocks = 16, 12
-        k_cache = torch.randn(blocks * block, kv_heads, dim, generator=g)
-        v_cache = torch.randn(blocks * block, kv_heads, dim, generator=g)
-        tables = torch.stack([torch.randperm(blocks, generator=g)[:6] for _ in lens])
-        lens_t = torch.tensor(lens)
-        qkv = torch.randn(n, heads + 2 * kv_heads, dim, generator=g)
-        per = (heads // kv_heads) * max(lens)
-        args = (qkv.data_ptr(), qkv.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-                tables.shape[1], lens_t.data_ptr())
-        want = torch.empty(n, heads, dim)
-        scratch = torch.empty(per)
-        lib.ps_decode_attention_f32(*args, want.data_ptr(), n, heads, kv_heads, dim, block, dim**-0.5,
-                                    scratch.data_ptr(), per, 1)
-        for _ in range(rounds):
-            got = torch.full((n, heads, dim), float("nan"))
-            rc = lib.ps_decode_attention_f32_shared(*args, got.data_ptr(), n, heads, kv_heads, dim, block,
-                                                    dim**-0.5, scratch.data_ptr(), per)
-            if rc != 0 or not torch.equal(got, want):
-                raise KernelUnavailable(f"shared decode attention differs from one thread's ({n} sequences, heads "
-                                        f"{heads}/{kv_heads}, dim {dim}: code {rc})")
+    """The shared decode attention against one thread's, bit for bit: 1-3 sequences of several
+    blocks, grouped and plain heads, a strided q (a qkv row, as the decode step passes); fp32, and
+    bf16 through the AVX512-BF16 kernel where this CPU has it."""
+    native = build.library()
+    dtypes = [torch.float32] + ([torch.bfloat16] if native is not None else [])
+    for dtype in dtypes:
+        for n, heads, kv_heads, dim, lens in ((1, 9, 3, 64, [40]), (3, 4, 4, 32, [5, 33, 17]),
+                                              (2, 8, 2, 128, [70, 3])):
+            block, blocks = 16, 12
+            k_cache = torch.randn(blocks * block, kv_heads, dim, generator=g).to(dtype)
+            v_cache = torch.randn(blocks * block, kv_heads, dim, generator=g).to(dtype)
+            tables = torch.stack([torch.randperm(blocks, generator=g)[:6] for _ in lens])
+            lens_t = torch.tensor(lens)
+            qkv = torch.randn(n, heads + 2 * kv_heads, dim, generator=g).to(dtype)
+            per = (heads // kv_heads) * max(lens)
+            args = (qkv.data_ptr(), qkv.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                    tables.shape[1], lens_t.data_ptr())
+            want = torch.empty(n, heads, dim, dtype=dtype)
+            scratch = torch.empty(per)
+            tail = (n, heads, kv_heads, dim, block, dim**-0.5, scratch.data_ptr(), per)
+            if dtype == torch.bfloat16:
+                native.ps_decode_attention_bf16(*args, want.data_ptr(), *tail, 1)
+                shared, first = (lib.ps_decode_attention_bf16_shared,
+                                 (ctypes.cast(native.ps_attention_tasks_bf16, ctypes.c_void_p).value,))
+            else:
+                lib.ps_decode_attention_f32(*args, want.data_ptr(), *tail, 1)
+                shared, first = lib.ps_decode_attention_f32_shared, ()
+            for _ in range(rounds):
+                got = torch.full((n, heads, dim), float("nan"), dtype=dtype)
+                rc = shared(*first, *args, got.data_ptr(), *tail)
+                if rc != 0 or not torch.equal(got, want):
+                    raise KernelUnavailable(f"shared {str(dtype).removeprefix('torch.')} decode attention differs "
+                                            f"from one thread's ({n} sequences, heads {heads}/{kv_heads}, dim {dim}: "
+                                            f"code {rc})")

@@ -186,6 +186,30 @@ static void one_head(const uint16_t *q, long q_head_stride, const uint16_t *k_ca
                      block_size, scale, scores);
 }
 
+/* The checks of a decode attention call (0, or the code it returns), for a caller that shares its
+   tasks out (decode_helpers.c's ps_decode_attention_bf16_shared, from decode_step_bf16.c). */
+int ps_attention_args_bf16(const int64_t *lens, long n, long heads, long kv_heads, long dim, long block_size,
+                           long max_blocks, long scratch_per_thread) {
+    if (dim % 16 || dim > MAX_DIM || kv_heads < 1 || heads % kv_heads || heads / kv_heads > MAX_GROUP) return -1;
+    const long group = heads / kv_heads;
+    for (long i = 0; i < n; i++)
+        if (lens[i] < 1 || group * lens[i] > scratch_per_thread || (lens[i] - 1) / block_size >= max_blocks) return -2;
+    return 0;
+}
+
+/* Tasks [t0, t1) of a decode attention call (task = sequence * kv_heads + KV head), arguments
+   checked: what the decode helpers share out, each task computed as the call computes it. */
+void ps_attention_tasks_bf16(const uint16_t *q, long q_row, const uint16_t *k_cache, const uint16_t *v_cache,
+                             const int64_t *tables, long max_blocks, const int64_t *lens, uint16_t *out, long heads,
+                             long kv_heads, long dim, long block_size, float scale, float *scores, long t0, long t1) {
+    const long group = heads / kv_heads;
+    for (long task = t0; task < t1; task++) {
+        const long i = task / kv_heads, h = task % kv_heads;
+        one_head(q + i * q_row + h * group * dim, dim, k_cache, v_cache, tables + i * max_blocks, lens[i],
+                 out + (i * heads + h * group) * dim, group, kv_heads, h, dim, block_size, scale, scores);
+    }
+}
+
 /* q: [n, heads, dim] with row stride q_row (elements); out: [n, heads, dim] contiguous;
  * k_cache, v_cache: [slots, kv_heads, dim]; tables: [n, max_blocks]; lens: [n] (tokens incl. the
  * new one); scratch: `threads` x heads/kv_heads x max(lens) floats. */
@@ -193,16 +217,12 @@ int ps_decode_attention_bf16(const uint16_t *q, long q_row, const uint16_t *k_ca
                              const int64_t *tables, long max_blocks, const int64_t *lens, uint16_t *out, long n,
                              long heads, long kv_heads, long dim, long block_size, float scale, float *scratch,
                              long scratch_per_thread, int threads) {
-    if (dim % 16 || dim > MAX_DIM || heads % kv_heads || heads / kv_heads > MAX_GROUP) return -1;
-    const long group = heads / kv_heads;
-    for (long i = 0; i < n; i++)
-        if (lens[i] < 1 || group * lens[i] > scratch_per_thread || (lens[i] - 1) / block_size >= max_blocks) return -2;
+    const int bad = ps_attention_args_bf16(lens, n, heads, kv_heads, dim, block_size, max_blocks, scratch_per_thread);
+    if (bad) return bad;
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(dynamic, 1)
-    for (long task = 0; task < n * kv_heads; task++) {
-        long i = task / kv_heads, h = task % kv_heads;
-        float *scores = scratch + omp_get_thread_num() * scratch_per_thread;
-        one_head(q + i * q_row + h * group * dim, dim, k_cache, v_cache, tables + i * max_blocks, lens[i],
-                 out + (i * heads + h * group) * dim, group, kv_heads, h, dim, block_size, scale, scores);
-    }
+    for (long task = 0; task < n * kv_heads; task++)
+        ps_attention_tasks_bf16(q, q_row, k_cache, v_cache, tables, max_blocks, lens, out, heads, kv_heads, dim,
+                                block_size, scale, scratch + omp_get_thread_num() * scratch_per_thread, task,
+                                task + 1);
     return 0;
 }

@@ -69,8 +69,9 @@ int ps_decode_attention_f32(const float *q, long q_row, const float *k_cache, co
 /* Most chunks one claim takes: what a caller recomputes when it takes back a descheduled
    helper's claim (8 chunks of 32 columns of K = 576: ~300 KB, ~25 us of streaming). */
 #define MAX_SPAN 8
-/* Rows a shared call takes (decode batches); more rows go to the one-thread kernel. */
-#define MAX_ROWS 16
+/* Rows a shared call takes (decode batches: the one-call step's limit, cpu_decode_step.MAX_ROWS);
+   more rows go to the one-thread kernel. */
+#define MAX_ROWS 64
 
 /* Chunk states: generation << 32 | helper << 8 | state. */
 enum { FREE = 0, CLAIMED = 1, DONE = 2, TAKEN = 3, MINE = 4 };
@@ -79,16 +80,22 @@ enum { FREE = 0, CLAIMED = 1, DONE = 2, TAKEN = 3, MINE = 4 };
 /* What a job multiplies: bf16 weights with fp32 activations (gemm_bf16w_avx2.c's blocks of 32
    columns, 16 with the SwiGLU epilogue), GGUF blocks (quant_gemm.c's tiles of 16 columns,
    activations quantized once by the caller), or bf16 weights and activations on AVX512-BF16
-   (gemm_bf16.c's blocks, through the function pointer bf16_fn; output bf16 or fp32); or the fp32
-   decode attention over the paged cache (layer_f32_avx2.c), one (sequence, KV head) a block. */
-enum { BF16W = 0, QUANT = 1, BF16 = 2, ATTN = 3 };
+   (gemm_bf16.c's blocks, through the function pointer bf16_fn; output bf16 or fp32); or the
+   decode attention over the paged cache, one (sequence, KV head) a block: fp32 (layer_f32_avx2.c)
+   or bf16 (decode_attention_bf16.c, through the function pointer attn_fn). */
+enum { BF16W = 0, QUANT = 1, BF16 = 2, ATTN = 3, ATTN_BF16 = 4 };
 
 typedef void (*bf16_blocks_fn)(const uint16_t *x, const uint16_t *wp, const uint16_t *res, void *y, long M, long N,
                                long K, int out_f32, int act, long b0, long b1);
+/* decode_attention_bf16.c's ps_attention_tasks_bf16 */
+typedef void (*attn_bf16_fn)(const uint16_t *q, long q_row, const uint16_t *k_cache, const uint16_t *v_cache,
+                             const int64_t *tables, long max_blocks, const int64_t *lens, uint16_t *out, long heads,
+                             long kv_heads, long dim, long block_size, float scale, float *scores, long t0, long t1);
 
 typedef struct {
     long kind;
     bf16_blocks_fn bf16_fn;           /* BF16 */
+    attn_bf16_fn attn_fn;             /* ATTN_BF16 */
     const uint16_t *wp;               /* BF16W, BF16 */
     const uint8_t *qw;                /* QUANT: the blocks, row_bytes apart, of type qtype */
     long row_bytes, qtype;
@@ -98,10 +105,11 @@ typedef struct {
     char *scratch;                    /* helper h writes rows of M x cols at scratch + h * M * cols * elem */
     long M, N, K, act, out_f32, elem;  /* elem: bytes per output value */
     long cols, blocks, block_cols, per_chunk, chunks, parts;
-    /* ATTN: x is the pool's copy of q ([n, heads, dim]), `res` each thread's scores (helper h's at
-       the pool's scores + h * scores_per); tables and lens the pool's copies; the caches are read
-       in place (a late helper's reads of slots rewritten meanwhile are discarded with its claim) */
-    const float *k_cache, *v_cache;
+    /* ATTN, ATTN_BF16: x is the pool's copy of q ([n, heads, dim]), `res` each thread's scores
+       (helper h's at the pool's scores + h * scores_per); tables and lens the pool's copies; the
+       caches are read in place (a late helper's reads of slots rewritten meanwhile are discarded
+       with its claim) */
+    const void *k_cache, *v_cache;
     const int64_t *tables, *lens;
     long max_blocks, heads, kv_heads, dim, block_size, scores_per;
     float scale;
@@ -174,6 +182,9 @@ static void run_blocks(const job_t *j, const void *x, const void *res, void *y, 
     if (j->kind == ATTN)
         ps_attention_tasks_f32(x, j->heads * j->dim, j->k_cache, j->v_cache, j->tables, j->max_blocks, j->lens, y,
                                j->heads, j->kv_heads, j->dim, j->block_size, j->scale, (float *)res, b0, b1);
+    else if (j->kind == ATTN_BF16)
+        j->attn_fn(x, j->heads * j->dim, j->k_cache, j->v_cache, j->tables, j->max_blocks, j->lens, y, j->heads,
+                   j->kv_heads, j->dim, j->block_size, j->scale, (float *)res, b0, b1);
     else if (j->kind == QUANT)
         ps_q_tiles((int)j->qtype, j->qw, j->row_bytes, b0, b1, j->M, j->N, j->K, j->q, j->qd, j->qs, res, y);
     else if (j->kind == BF16)
@@ -201,8 +212,8 @@ static void help(int h, uint32_t g) {
             continue;
         long b0, b1;
         chunk_blocks(&j, c, &b0, &b1);
-        run_blocks(&j, j.x, j.kind == ATTN ? (const void *)((float *)j.res + (long)h * j.scores_per) : j.res, mine,
-                   b0, b1);
+        const int attn = j.kind == ATTN || j.kind == ATTN_BF16;
+        run_blocks(&j, j.x, attn ? (const void *)((float *)j.res + (long)h * j.scores_per) : j.res, mine, b0, b1);
         uint64_t want = STATE(g, h, CLAIMED);
         __atomic_compare_exchange_n(&pool.state[c], &want, STATE(g, h, DONE), 0, __ATOMIC_RELEASE,
                                     __ATOMIC_RELAXED);
@@ -416,44 +427,71 @@ int ps_bf16_shared(void *fn, const uint16_t *x, const uint16_t *wp, const uint16
     return rc;
 }
 
-/* As ps_decode_attention_f32 with one thread (layer_f32_avx2.c), its (sequence, KV head) tasks
-   shared with the helpers; `scratch` is the caller's scores (scratch_per_thread floats). The
-   caller copies q, the tables and the lengths into the pool. The same bits as one thread. */
-int ps_decode_attention_f32_shared(const float *q, long q_row, const float *k_cache, const float *v_cache,
-                                   const int64_t *tables, long max_blocks, const int64_t *lens, float *out, long n,
-                                   long heads, long kv_heads, long dim, long block_size, float scale, float *scratch,
-                                   long scratch_per_thread) {
-    const int bad = ps_attention_args_f32(lens, n, heads, kv_heads, dim, block_size, max_blocks, scratch_per_thread);
-    if (bad) return bad;
+/* A decode attention call's (sequence, KV head) tasks shared with the helpers, arguments checked
+   by the caller: `elem` bytes a value of q and out (4: fp32, the kind ATTN; 2: bf16, ATTN_BF16
+   through `fn`). The caller copies q, the tables and the lengths into the pool; `scratch` is its
+   own scores (scratch_per_thread floats). Returns 1 where it did not run (no helpers, or another
+   thread's job is running): the caller then computes alone. */
+static int share_attention(int kind, attn_bf16_fn fn, const void *q, long q_row, long elem, const void *k_cache,
+                           const void *v_cache, const int64_t *tables, long max_blocks, const int64_t *lens,
+                           void *out, long n, long heads, long kv_heads, long dim, long block_size, float scale,
+                           float *scratch, long scratch_per_thread) {
     const int helpers = pool.use ? pool.helpers : 0;
     const long tasks = n * kv_heads, group = heads / kv_heads;
-    if (helpers == 0 || tasks < 2 || tasks > MAX_CHUNKS ||
-        __atomic_exchange_n(&pool.busy, 1, __ATOMIC_ACQUIRE))
-        return ps_decode_attention_f32(q, q_row, k_cache, v_cache, tables, max_blocks, lens, out, n, heads, kv_heads,
-                                       dim, block_size, scale, scratch, scratch_per_thread, 1);
+    if (helpers == 0 || tasks < 2 || tasks > MAX_CHUNKS || __atomic_exchange_n(&pool.busy, 1, __ATOMIC_ACQUIRE))
+        return 1;
     const long qn = n * heads * dim;
-    float *qb = grow(&pool.xbuf, &pool.xcap, qn);
+    char *qb = (char *)grow(&pool.xbuf, &pool.xcap, (qn * elem + 3) / 4);
     int64_t *tb = (int64_t *)grow(&pool.tbuf, &pool.tcap, 2 * (n * max_blocks + n));
     float *ab = grow(&pool.abuf, &pool.acap, (long)helpers * scratch_per_thread);
-    float *sb = grow(&pool.sbuf, &pool.scap, (long)helpers * qn);
-    int rc;
-    if (!qb || !tb || !ab || !sb) {
-        rc = ps_decode_attention_f32(q, q_row, k_cache, v_cache, tables, max_blocks, lens, out, n, heads, kv_heads,
-                                     dim, block_size, scale, scratch, scratch_per_thread, 1);
-    } else {
-        for (long i = 0; i < n; i++) memcpy(qb + i * heads * dim, q + i * q_row, (size_t)(heads * dim) * sizeof(float));
+    float *sb = grow(&pool.sbuf, &pool.scap, ((long)helpers * qn * elem + 3) / 4);
+    int rc = 1;
+    if (qb && tb && ab && sb) {
+        for (long i = 0; i < n; i++)
+            memcpy(qb + i * heads * dim * elem, (const char *)q + i * q_row * elem, (size_t)(heads * dim * elem));
         memcpy(tb, tables, (size_t)(n * max_blocks) * sizeof(int64_t));
         memcpy(tb + n * max_blocks, lens, (size_t)n * sizeof(int64_t));
         /* The caller reads the pool's q too (q_row = heads * dim, as the helpers do). */
-        rc = run_job((job_t){.kind = ATTN, .x = qb, .res = ab, .scratch = (char *)sb, .M = 1, .N = qn, .K = 0,
-                             .elem = 4, .cols = qn, .blocks = tasks, .block_cols = group * dim, .k_cache = k_cache,
-                             .v_cache = v_cache, .tables = tb, .lens = tb + n * max_blocks,
+        rc = run_job((job_t){.kind = kind, .attn_fn = fn, .x = qb, .res = ab, .scratch = (char *)sb, .M = 1,
+                             .N = qn, .K = 0, .elem = elem, .cols = qn, .blocks = tasks, .block_cols = group * dim,
+                             .k_cache = k_cache, .v_cache = v_cache, .tables = tb, .lens = tb + n * max_blocks,
                              .max_blocks = max_blocks, .heads = heads, .kv_heads = kv_heads, .dim = dim,
                              .block_size = block_size, .scores_per = scratch_per_thread, .scale = scale},
                      qb, scratch, out, helpers);
     }
     __atomic_store_n(&pool.busy, 0, __ATOMIC_RELEASE);
     return rc;
+}
+
+/* As ps_decode_attention_f32 with one thread (layer_f32_avx2.c), its tasks shared with the
+   helpers. The same bits as one thread. */
+int ps_decode_attention_f32_shared(const float *q, long q_row, const float *k_cache, const float *v_cache,
+                                   const int64_t *tables, long max_blocks, const int64_t *lens, float *out, long n,
+                                   long heads, long kv_heads, long dim, long block_size, float scale, float *scratch,
+                                   long scratch_per_thread) {
+    const int bad = ps_attention_args_f32(lens, n, heads, kv_heads, dim, block_size, max_blocks, scratch_per_thread);
+    if (bad) return bad;
+    if (share_attention(ATTN, NULL, q, q_row, 4, k_cache, v_cache, tables, max_blocks, lens, out, n, heads, kv_heads,
+                        dim, block_size, scale, scratch, scratch_per_thread))
+        return ps_decode_attention_f32(q, q_row, k_cache, v_cache, tables, max_blocks, lens, out, n, heads, kv_heads,
+                                       dim, block_size, scale, scratch, scratch_per_thread, 1);
+    return 0;
+}
+
+/* As decode_attention_bf16.c's ps_decode_attention_bf16 with one thread, its tasks shared with the
+   helpers; `fn` is that library's ps_attention_tasks_bf16, and the caller has checked the
+   arguments (its ps_attention_args_bf16). The same bits as one thread. */
+int ps_decode_attention_bf16_shared(void *fn, const uint16_t *q, long q_row, const uint16_t *k_cache,
+                                    const uint16_t *v_cache, const int64_t *tables, long max_blocks,
+                                    const int64_t *lens, uint16_t *out, long n, long heads, long kv_heads, long dim,
+                                    long block_size, float scale, float *scratch, long scratch_per_thread) {
+    if (!fn || kv_heads < 1 || heads % kv_heads) return -1;
+    const attn_bf16_fn f = (attn_bf16_fn)fn;
+    if (share_attention(ATTN_BF16, f, q, q_row, 2, k_cache, v_cache, tables, max_blocks, lens, out, n, heads,
+                        kv_heads, dim, block_size, scale, scratch, scratch_per_thread))
+        f(q, q_row, k_cache, v_cache, tables, max_blocks, lens, out, heads, kv_heads, dim, block_size, scale, scratch,
+          0, n * kv_heads);
+    return 0;
 }
 
 /* Publish `job` (its pool copies filled in), compute claims on the caller (from its own x and res

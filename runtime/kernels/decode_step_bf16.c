@@ -27,6 +27,11 @@ int ps_decode_attention_bf16(const uint16_t *q, long q_row, const uint16_t *k_ca
                              const int64_t *tables, long max_blocks, const int64_t *lens, uint16_t *out, long n,
                              long heads, long kv_heads, long dim, long block_size, float scale, float *scratch,
                              long scratch_per_thread, int threads);
+int ps_attention_args_bf16(const int64_t *lens, long n, long heads, long kv_heads, long dim, long block_size,
+                           long max_blocks, long scratch_per_thread);
+void ps_attention_tasks_bf16(const uint16_t *q, long q_row, const uint16_t *k_cache, const uint16_t *v_cache,
+                             const int64_t *tables, long max_blocks, const int64_t *lens, uint16_t *out, long heads,
+                             long kv_heads, long dim, long block_size, float scale, float *scores, long t0, long t1);
 int ps_gemm_bf16(const uint16_t *x, const uint16_t *wp, const uint16_t *res, void *y, long M, long N, long K,
                  int out_f32, int threads, int act);
 void ps_bf16_blocks(const uint16_t *x, const uint16_t *wp, const uint16_t *res, void *y, long M, long N, long K,
@@ -40,6 +45,10 @@ typedef int (*qgemm_fn)(const float *x, const uint8_t *w, const float *residual,
 typedef int (*qgemm_shared_fn)(const float *x, const uint8_t *w, const float *res, float *y, long M, long N, long K,
                                long row_bytes, int type);
 typedef int (*swiglu_fn)(const float *gu, float *y, long M, long I);
+typedef int (*attn_shared_fn)(void *fn, const uint16_t *q, long q_row, const uint16_t *k_cache,
+                              const uint16_t *v_cache, const int64_t *tables, long max_blocks, const int64_t *lens,
+                              uint16_t *out, long n, long heads, long kv_heads, long dim, long block_size, float scale,
+                              float *scratch, long scratch_per_thread);
 
 typedef struct {
     long rows, hidden, heads, kv_heads, head_dim, inter, block_size, max_blocks, scratch_per_thread;
@@ -55,6 +64,7 @@ typedef struct {
     int threads;                                  /* 1: matmuls shared with the decode helpers */
     void *bf16_shared;                            /* ps_bf16_shared, or NULL: ps_gemm_bf16 alone */
     void *qgemm, *qgemm_shared, *swiglu_f32;      /* NULL where no projection is GGUF blocks */
+    void *attn_shared;                            /* ps_decode_attention_bf16_shared, or NULL */
 } ps_step_bf16_t;
 
 static void widen(const uint16_t *x, float *y, long n) {
@@ -130,6 +140,23 @@ static int proj(const ps_step_bf16_t *s, const ps_proj_t *p, const uint16_t *x, 
     return rc;
 }
 
+/* The layer's decode attention: on one thread with the decode helpers sharing its tasks where
+   they run (the matmuls' rule), else on s->threads. The same bits either way. */
+static int attention(const ps_step_bf16_t *s, const ps_layer_t *L, long q_row) {
+    const long M = s->rows, nq = s->heads, nkv = s->kv_heads, D = s->head_dim;
+    if (s->threads == 1 && s->attn_shared) {
+        const int bad = ps_attention_args_bf16(s->lens, M, nq, nkv, D, s->block_size, s->max_blocks,
+                                               s->scratch_per_thread);
+        if (bad) return bad;
+        return ((attn_shared_fn)s->attn_shared)((void *)ps_attention_tasks_bf16, s->qkv, q_row, L->k_cache,
+                                                L->v_cache, s->tables, s->max_blocks, s->lens, s->attn, M, nq, nkv,
+                                                D, s->block_size, s->scale, s->scratch, s->scratch_per_thread);
+    }
+    return ps_decode_attention_bf16(s->qkv, q_row, L->k_cache, L->v_cache, s->tables, s->max_blocks, s->lens,
+                                    s->attn, M, nq, nkv, D, s->block_size, s->scale, s->scratch,
+                                    s->scratch_per_thread, s->threads);
+}
+
 /* Returns 0, or the failing call's code with the layer in the hundreds (-(layer * 100 + op)). */
 long ps_decode_step_bf16(const ps_step_bf16_t *s, const ps_layer_t *layers, long n_layers) {
     const long M = s->rows, H = s->hidden, nq = s->heads, nkv = s->kv_heads, D = s->head_dim;
@@ -142,10 +169,7 @@ long ps_decode_step_bf16(const ps_step_bf16_t *s, const ps_layer_t *layers, long
         if (proj(s, &L->qkv, s->h, 0, s->qkv, 0, 0)) return code - 2;
         if (ps_rope_write_bf16(s->qkv, M, nq, nkv, D, s->cos, s->sin, s->slots, L->k_cache, L->v_cache, s->threads))
             return code - 3;
-        if (ps_decode_attention_bf16(s->qkv, q_row, L->k_cache, L->v_cache, s->tables, s->max_blocks, s->lens, s->attn,
-                                     M, nq, nkv, D, s->block_size, s->scale, s->scratch, s->scratch_per_thread,
-                                     s->threads))
-            return code - 4;
+        if (attention(s, L, q_row)) return code - 4;
         if (proj(s, &L->o, s->attn, x, xb, 0, 0)) return code - 5;
         if (ps_rms_norm_bf16(xb, L->mlp_norm, s->h, M, H, s->eps, s->threads)) return code - 6;
         if (proj(s, &L->gate_up, s->h, 0, s->mid, 0, 1)) return code - 7;

@@ -44,3 +44,45 @@ def test_one_sequence_decode_shares_the_cpu_kernels_matmuls_with_helpers() -> No
         pytest.skip("no CPU matmul kernel serves the weights here (no AVX2/FMA/F16C or no C compiler): torch's "
                     "matmuls, no helpers")
     decode_with_and_without_helpers(eng, lib, "matmul block")
+
+
+def test_batched_decode_steps_share_matmuls_and_attention_with_the_helpers() -> None:
+    """On the native bf16 path's one-call decode step, a step of 20 sequences (more than the
+    helpers once took) runs on one thread with its matmuls and attention shared with the decode
+    helpers; every sequence's tokens and logprobs are the same bits as with the caller alone."""
+    from phasesplit.runtime.kernels import build, cpu_gemm_avx2
+
+    eng = LLMEngine("smollm2", EngineConfig(runner=RunnerConfig(kv_cache_memory=64 << 20)))
+    runner, lib = eng.runner, build.bf16w_library()
+    if runner.dtype != torch.bfloat16 or runner.cpu_step is None or not runner.decode_helpers or lib is None:
+        pytest.skip("not the native bf16 path with its one-call decode step and decode helpers (needs "
+                    "AVX512-BF16, a C compiler and two CPUs)")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
+    # 12 tokens each, under one KV block: no prefix-cache hit on the second run
+    prompts = {f"s{i}": list(range(4000 + 40 * i, 4012 + 40 * i)) for i in range(20)}
+
+    def run() -> tuple[dict[str, list], set[int]]:
+        for rid, p in prompts.items():
+            eng.add_request(rid, p, params)
+        outs: dict[str, list] = {}
+        decode_threads: set[int] = set()
+        while eng.seqs:
+            decoding = len(outs) == len(prompts)  # every prompt done: a step of 20 decode rows
+            for o in eng.step():
+                outs.setdefault(o.request_id, []).append((o.new_token_ids, o.logprobs))
+            if decoding and eng.seqs:
+                decode_threads.add(torch.get_num_threads())
+        return outs, decode_threads
+
+    steps, before = runner.cpu_step.steps, cpu_gemm_avx2.helper_stats(lib)[0]
+    shared, threads = run()
+    assert runner.cpu_step.steps > steps, "the 20-row decode steps did not take the one-call step"
+    assert threads == {1}, f"20-row decode steps ran on {threads} threads, not one plus the helpers"
+    assert cpu_gemm_avx2.helper_stats(lib)[0] > before, "no matmul or attention of the decode steps ran on a helper"
+    assert cpu_gemm_avx2.use_helpers(lib, False)
+    try:
+        alone, _ = run()
+    finally:
+        cpu_gemm_avx2.use_helpers(lib, True)
+    assert len(shared) == 20 and all(len(v) == 6 for v in shared.values())
+    assert shared == alone

@@ -139,7 +139,8 @@ def test_two_threads_calling_at_once_get_their_own_bits(lib) -> None:
 # one-tile case (the caller alone); a vocabulary-sized head.
 QCASES = [(cpu_quant.Q8_0, 1, 576, 576, True), (cpu_quant.Q4_0, 2, 1000, 96, False),
           (cpu_quant.Q4_1, 3, 1536, 576, True), (cpu_quant.Q8_0, 4, 4099, 64, False),
-          (cpu_quant.Q4_1, 1, 16, 64, True), (cpu_quant.Q8_0, 1, 49152, 576, False)]
+          (cpu_quant.Q4_1, 1, 16, 64, True), (cpu_quant.Q8_0, 1, 49152, 576, False),
+          (cpu_quant.Q4_1, 40, 960, 576, True)]  # a batched one-call step's rows (up to 64)
 
 
 def _qcase(qtype: int, m: int, n: int, k: int, residual: bool, seed: int):
@@ -161,7 +162,8 @@ def _q_shared(lib, x, blocks, qtype, res) -> torch.Tensor:
 # The same with weights packed 16 rows to a tile (quant_x16.c), where this CPU runs that kernel.
 X16CASES = [(cpu_quant.Q8_0 + cpu_quant.X16, 1, 576, 576, True), (cpu_quant.Q4_0 + cpu_quant.X16, 2, 992, 96, False),
             (cpu_quant.Q4_1 + cpu_quant.X16, 3, 1536, 576, True), (cpu_quant.Q4_1 + cpu_quant.X16, 1, 16, 64, True),
-            (cpu_quant.Q8_0 + cpu_quant.X16, 1, 49152, 576, False)]
+            (cpu_quant.Q8_0 + cpu_quant.X16, 1, 49152, 576, False),
+            (cpu_quant.Q8_0 + cpu_quant.X16, 33, 960, 576, True)]
 
 
 @pytest.mark.parametrize(("qtype", "m", "n", "k", "residual"), QCASES + X16CASES)
@@ -224,7 +226,9 @@ BCASES = [(1, 576, 576, False, cpu_gemm_avx2.NONE, False), (2, 960, 576, True, c
           (1, 4099, 64, True, cpu_gemm_avx2.NONE, False),  # a column tail in the last block
           (1, 3072, 576, False, cpu_gemm_avx2.SWIGLU, False), (2, 1536, 96, True, cpu_gemm_avx2.SWIGLU, True),
           (1, 49152, 576, False, cpu_gemm_avx2.NONE, True),  # a vocabulary-sized head, fp32 logits
-          (1, 17, 66, True, cpu_gemm_avx2.NONE, False)]  # one block: the caller alone
+          (1, 17, 66, True, cpu_gemm_avx2.NONE, False),  # one block: the caller alone
+          (64, 960, 576, True, cpu_gemm_avx2.NONE, False),  # a batched one-call step's rows (up to 64)
+          (24, 3072, 576, False, cpu_gemm_avx2.SWIGLU, False)]
 
 
 @pytest.fixture(scope="module")
@@ -279,3 +283,44 @@ def test_helpers_take_part_in_bf16_matmuls_and_every_kind_in_turn(lib, native) -
         assert torch.equal(_b(native, True, x, packed, 8192, res, out_dtype, cpu_gemm_avx2.NONE), want)
         assert torch.equal(_shared(lib, xf, pf, 1536, rf, cpu_gemm_avx2.NONE), f_want)
         assert torch.equal(_q_shared(lib, xq, bq, cpu_quant.Q8_0, rq), q_want)
+
+
+def _attention_case(n: int, heads: int, kv_heads: int, dim: int, ctx: int, seed: int):
+    """q as rows of a qkv projection (strided), bf16 caches of scattered 16-token blocks."""
+    g = torch.Generator().manual_seed(seed)
+    block, per_seq = 16, -(-ctx // 16)
+    slots = n * per_seq + 4
+    k_cache = torch.randn(slots * block, kv_heads, dim, generator=g).bfloat16()
+    v_cache = torch.randn(slots * block, kv_heads, dim, generator=g).bfloat16()
+    tables = torch.randperm(slots, generator=g)[: n * per_seq].view(n, per_seq).contiguous()
+    lens = torch.randint(1, ctx + 1, (n,), generator=g)
+    qkv = torch.randn(n, heads + 2 * kv_heads, dim, generator=g).bfloat16()
+    per = (heads // kv_heads) * ctx
+    args = (qkv.data_ptr(), qkv.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), per_seq,
+            lens.data_ptr())
+    tail = (n, heads, kv_heads, dim, block, dim**-0.5)
+    return (qkv, k_cache, v_cache, tables, lens), args, tail, per
+
+
+@pytest.mark.parametrize(("n", "heads", "kv_heads", "dim", "ctx"),
+                         [(1, 9, 3, 64, 300), (20, 9, 3, 64, 200), (64, 9, 3, 64, 40), (3, 8, 8, 128, 90),
+                          (5, 16, 2, 64, 33)])
+def test_shared_bf16_decode_attention_gives_one_threads_bits(lib, native, n, heads, kv_heads, dim, ctx) -> None:
+    """The AVX512-BF16 decode attention's (sequence, KV head) tasks shared with the helpers (as the
+    one-call step shares them) against the kernel on one thread, bit for bit; the helpers take
+    part in some calls."""
+    import ctypes
+
+    keep, args, tail, per = _attention_case(n, heads, kv_heads, dim, ctx, seed=n * 31 + heads + dim)
+    nat = native[0]
+    scratch = torch.empty(per)
+    want = torch.empty(n, heads, dim, dtype=torch.bfloat16)
+    assert nat.ps_decode_attention_bf16(*args, want.data_ptr(), *tail, scratch.data_ptr(), per, 1) == 0
+    tasks = ctypes.cast(nat.ps_attention_tasks_bf16, ctypes.c_void_p).value
+    before = cpu_gemm_avx2.helper_stats(lib)[0]
+    for _ in range(40):
+        got = torch.full((n, heads, dim), float("nan"), dtype=torch.bfloat16)
+        rc = lib.ps_decode_attention_bf16_shared(tasks, *args, got.data_ptr(), *tail, scratch.data_ptr(), per)
+        assert rc == 0 and torch.equal(got, want)
+    if n * kv_heads >= 8:
+        assert cpu_gemm_avx2.helper_stats(lib)[0] > before, "no attention task was computed by a helper"
