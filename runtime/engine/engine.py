@@ -407,6 +407,8 @@ class LLMEngine:
         self.step_cost.observe(batch.num_tokens, seconds)
         if batch.prefill:
             self.prompt_step_cost.observe(batch.num_tokens, seconds)
+        else:  # unmeasured meanwhile: every step's fit, kept fresh, gains on it (step_costs.STALE_HALFLIFE)
+            self.prompt_step_cost.fade()
         self.observer.on_step(batch, seconds)
         return outputs
 

@@ -22,6 +22,12 @@ PRIOR_PER_TOKEN_S = 0.0006
 PRIOR_SPAN = 512  # the prior is two points, at 1 and at this many tokens
 PRIOR_WEIGHT = 0.05  # against ~HALFLIFE × 1.44 of real observations: it only fills gaps
 HALFLIFE = 32  # observations
+# How fast a fit nobody re-measures loses its say (`LinearCost.fade`): the prompt-step fit's weight
+# halves every this many steps that carry no prompt token, so the fresher estimate it falls back
+# on (every step's fit) takes over in ~10 of them. Placement is what feeds that fit: with a figure
+# from a slow moment it sent every prompt away, nothing was measured here again, and the worker
+# stayed remote-only for the rest of the run (docs/benchmarks.md, prefill-heavy run 3).
+STALE_HALFLIFE = 32  # steps
 
 
 @dataclass
@@ -43,6 +49,13 @@ class LinearCost:
         ratio = y / (self.prior_base + self.prior_per_token * x)
         self._sums = [s * d + v for s, v in zip(self._sums, (1.0, x, y, x * x, x * y, ratio), strict=True)]
         self.count += 1
+
+    def fade(self, halflife: float = STALE_HALFLIFE) -> None:
+        """A step without an observation: the measurements so far lose weight against the prior
+        (the estimate `fit(prior=...)` falls back on), as a figure no one re-measures should. The
+        line they fit stays the same while they outweigh the prior; an observation counts in full."""
+        d = 0.5 ** (1 / halflife)
+        self._sums = [s * d for s in self._sums]
 
     def fit(self, prior: tuple[float, float] | None = None) -> tuple[float, float]:
         """(base seconds, seconds per token), both at least 0. `prior` (base, per token) stands

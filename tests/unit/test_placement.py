@@ -173,3 +173,35 @@ def test_chunks_cut_to_the_itl_target_let_a_queued_pool_share_the_decode_core():
     lf = capped(loaded, remote_like(loaded, hop_s=0.05), 300, running=2, remote_queued=4000)
     assert lf.step_prompt_tokens == MIN_PROMPT_TOKENS
     assert pl.place(lf, have_remote=True).reason == pl.ITL_BUDGET
+
+
+def test_a_prompt_step_figure_from_a_slow_moment_fades_once_decode_steps_are_quick_again():
+    """Placement feeds the prompt-step fit: once it keeps prompts away, nothing is measured here.
+    A figure from a slow moment must not keep them away for good: while no prompt step runs, the
+    fit fades (the engine calls `fade` each step without one) towards every step's fit, which the
+    decode steps keep fresh; one prompt step measured here counts in full again."""
+    steps, prompt_steps = LinearCost(), LinearCost()  # as LLMEngine keeps them
+
+    def place(chat: int = 40) -> pl.Decision:
+        base, per_token = prompt_steps.fit(prior=steps.fit())
+        remote = remote_like(fitted(QUIET), hop_s=0.01)
+        f = dataclasses.replace(figures(fitted(QUIET), remote, chat, running=2), local_base_s=base,
+                                local_per_token_s=per_token)
+        return pl.place(f, have_remote=True)
+
+    for _ in range(3):  # a burst on the loaded machine: prompt steps of seconds
+        for tokens, seconds in LOADED[:4]:
+            steps.observe(tokens, seconds)
+            prompt_steps.observe(tokens, seconds)
+    assert place().where == pl.REMOTE
+    stale = LinearCost(_sums=list(prompt_steps._sums))  # the same fit, never faded
+    for _ in range(600):  # then quiet decode steps at batch 2, ~20 ms: 600 steps is ~12 s
+        steps.observe(2, 0.02)
+        prompt_steps.fade()
+    assert place() == place()  # pure
+    assert place().where == pl.LOCAL
+    prompt_steps, kept = stale, prompt_steps
+    assert place().where == pl.REMOTE  # without fading: remote for good
+    prompt_steps = kept
+    prompt_steps.observe(42, 1.0)  # a chat's step here, measured slow again: that decides at once
+    assert place().where == pl.REMOTE
