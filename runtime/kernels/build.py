@@ -41,7 +41,7 @@ SOURCES = tuple(Path(__file__).with_name(f) for f in ("gemm_bf16.c", "decode_att
                                                             "prefill_attention_bf16.c",
                                                             # the one-call decode step over them (cpu_decode_step.py)
                                                             "decode_step_bf16.c"))
-HEADERS = tuple(Path(__file__).with_name(f) for f in ("vec_math.h", "gemm_block.h", "decode_step.h"))
+HEADERS = tuple(Path(__file__).with_name(f) for f in ("vec_math.h", "gemm_block.h", "decode_step.h", "attention_args.h"))
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-fopenmp", "-fPIC", "-shared"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
 
@@ -77,7 +77,7 @@ BF16W = Spec("phasesplit_bf16w", (Path(__file__).with_name("gemm_bf16w_avx2.c"),
                                   # step over them and the matmuls in one call (cpu_decode_step.py)
                                   Path(__file__).with_name("layer_f32_avx2.c"),
                                   Path(__file__).with_name("decode_step_f32.c")),
-             (Path(__file__).with_name("decode_step.h"), Path(__file__).with_name("quant_blocks.h")),
+             tuple(Path(__file__).with_name(f) for f in ("decode_step.h", "quant_blocks.h", "attention_args.h")),
              ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-pthread", "-fPIC", "-shared"), ("avx2", "fma", "f16c"))
 
 

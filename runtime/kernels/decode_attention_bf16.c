@@ -13,8 +13,7 @@
 
 #include "vec_math.h"
 
-#define MAX_GROUP 16 /* query heads per KV head this kernel handles */
-#define MAX_DIM 256
+#include "attention_args.h"
 
 /* One (sequence, KV head): G query heads of C*16 dims each. Inlined with G and C known at compile
  * time for the common shapes, so the query, key and accumulator vectors stay in registers. Keys
@@ -190,11 +189,7 @@ static void one_head(const uint16_t *q, long q_head_stride, const uint16_t *k_ca
    tasks out (decode_helpers.c's ps_decode_attention_bf16_shared, from decode_step_bf16.c). */
 int ps_attention_args_bf16(const int64_t *lens, long n, long heads, long kv_heads, long dim, long block_size,
                            long max_blocks, long scratch_per_thread) {
-    if (dim % 16 || dim > MAX_DIM || kv_heads < 1 || heads % kv_heads || heads / kv_heads > MAX_GROUP) return -1;
-    const long group = heads / kv_heads;
-    for (long i = 0; i < n; i++)
-        if (lens[i] < 1 || group * lens[i] > scratch_per_thread || (lens[i] - 1) / block_size >= max_blocks) return -2;
-    return 0;
+    return ps_attention_args(lens, n, heads, kv_heads, dim, 16, block_size, max_blocks, scratch_per_thread);
 }
 
 /* Tasks [t0, t1) of a decode attention call (task = sequence * kv_heads + KV head), arguments

@@ -11,8 +11,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define MAX_GROUP 16 /* query heads per KV head the attention handles */
-#define MAX_DIM 256
+#include "attention_args.h"
 
 /* e^x as 2^n * p(r) (Cephes polynomial, |rel err| < 2e-7); x is clamped to [-87, 88.7], so a
    -inf score gives ~0 rather than NaN. */
@@ -248,11 +247,7 @@ static void one_head(const float *q, const float *k_cache, const float *v_cache,
 /* 0 if ps_decode_attention_f32 takes these arguments (-1: the shape, -2: a length). */
 int ps_attention_args_f32(const int64_t *lens, long n, long heads, long kv_heads, long dim, long block_size,
                           long max_blocks, long scratch_per_thread) {
-    if (dim % 8 || dim > MAX_DIM || kv_heads < 1 || heads % kv_heads || heads / kv_heads > MAX_GROUP) return -1;
-    const long group = heads / kv_heads;
-    for (long i = 0; i < n; i++)
-        if (lens[i] < 1 || group * lens[i] > scratch_per_thread || (lens[i] - 1) / block_size >= max_blocks) return -2;
-    return 0;
+    return ps_attention_args(lens, n, heads, kv_heads, dim, 8, block_size, max_blocks, scratch_per_thread);
 }
 
 /* Tasks [t0, t1) of a decode attention call (task = sequence * kv_heads + KV head), arguments

@@ -31,11 +31,13 @@ dtype's default row are printed at the end.)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,19 +117,26 @@ def worker(kind: str, dtype: str, repeats: int, out: Path, small_rule: bool) -> 
 def run(kind: str, env_extra: dict, small_rule: bool, dtype: str, repeats: int, neighbour: bool, tmp: Path) -> dict:
     out = tmp / f"{kind}-{len(env_extra)}-{int(small_rule)}-{int(neighbour)}.json"
     env = {**os.environ, **env_extra}
-    spinner = None
-    if neighbour:
-        cpus = sorted(os.sched_getaffinity(0))
-        spinner = subprocess.Popen(["taskset", "-c", str(cpus[-1]), sys.executable, "-c", "while True: pass"])
-    try:
+    with spinning_neighbour(neighbour):
         subprocess.run([sys.executable, __file__, "--worker", kind, "--dtype", dtype, "--repeats", str(repeats),
                         "--out", str(out)] + ([] if small_rule else ["--no-small-rule"]), env=env, check=True,
                        timeout=1800)
-    finally:
-        if spinner:
-            spinner.kill()
-            spinner.wait()
     return json.loads(out.read_text())
+
+
+@contextlib.contextmanager
+def spinning_neighbour(on: bool = True) -> Iterator[None]:
+    """A busy neighbour for the block: another process spinning on the last CPU this one may use."""
+    if not on:
+        yield
+        return
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    spinner = subprocess.Popen(["taskset", "-c", str(cpu), sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
 
 
 def main() -> int:

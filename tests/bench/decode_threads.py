@@ -47,6 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from tests.bench.decode_bound import spinning_neighbour  # noqa: E402
 from tests.bench.engine_peers import DECODE_TOKENS, N_REQ, OUT_LEN, build_prompts, load1  # noqa: E402
 
 VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "PHASESPLIT_DECODE_HELPERS")
@@ -121,17 +122,9 @@ def run(name: str, neighbour: bool, batches: str, repeats: int, tmp: Path) -> di
     out = tmp / f"{name}-{int(neighbour)}.json"
     env = {k: v for k, v in os.environ.items() if k not in VARS}
     env.update(setting_env(name))
-    spinner = None
-    if neighbour:
-        cpu = sorted(os.sched_getaffinity(0))[-1]
-        spinner = subprocess.Popen(["taskset", "-c", str(cpu), sys.executable, "-c", "while True: pass"])
-    try:
+    with spinning_neighbour(neighbour):
         subprocess.run([sys.executable, __file__, "--worker", "--batches", batches, "--repeats", str(repeats),
                         "--out", str(out)], env=env, check=True, timeout=1800)
-    finally:
-        if spinner:
-            spinner.kill()
-            spinner.wait()
     return json.loads(out.read_text())
 
 
