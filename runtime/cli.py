@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from phasesplit.runtime.disagg.placement import MODES as PLACEMENT_MODES  # pure, import-light
+from phasesplit.runtime.engine.step_costs import CHUNK_OVERHEAD  # pure, import-light
 
 ROLES = ("both", "prefill", "decode", "router")
 FAILURE_POLICIES = ("retry", "local", "fail", "retry-local")  # runtime/disagg/decode.py applies them
@@ -65,6 +66,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def _share(text: str) -> float:
+    """A fraction in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1: {text!r}")
+    return value
+
+
 def _url_list(text: str) -> list[str]:
     return [u.strip().rstrip("/") for u in text.split(",") if u.strip()]
 
@@ -95,6 +107,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64, help="most requests in the running batch")
     g.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="token budget of one engine step (prefill chunks are cut to fit)")
+    g.add_argument("--chunk-overhead", type=_share, default=CHUNK_OVERHEAD, metavar="SHARE",
+                   help="cap every step's prompt tokens where the step's fixed cost (measured) is this share "
+                        f"of it: chunks no longer than pays for itself, so a short prompt or a stream beside a "
+                        f"long one waits less (default {CHUNK_OVERHEAD}; 0: chunks fill --max-num-batched-tokens)")
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="turn off prefix caching")
     g.add_argument("--threads", type=int, default=None,

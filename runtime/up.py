@@ -26,7 +26,7 @@ from phasesplit.runtime import internal_secret
 
 _FORWARD = ("model", "served_model_name", "device", "dtype", "max_model_len", "block_size", "kv_cache_memory",
             "kv_cache_fraction", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
-            "quantization")
+            "quantization", "chunk_overhead")
 
 
 def _free_port() -> int:

@@ -24,7 +24,7 @@ from phasesplit.runtime.engine.model_runner import LayerStream, ModelRunner, Run
 from phasesplit.runtime.engine.sampling import Sampler, choice_seed, logprobs_of
 from phasesplit.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from phasesplit.runtime.engine.sequence import Sequence, Status
-from phasesplit.runtime.engine.step_costs import STEP_AIM, LinearCost, StepTimeBudget
+from phasesplit.runtime.engine.step_costs import STEP_AIM, LinearCost, StepTimeBudget, efficient_chunk
 from phasesplit.runtime.model.loader import resolve
 from phasesplit.runtime.model.tokenizer import IncrementalDecoder, TextTokenizer
 from phasesplit.runtime.request import RequestError, RequestOutput, SamplingParams
@@ -42,6 +42,11 @@ class EngineConfig:
     # streams are cut to fit it by the measured step cost (scheduler.py). A split decode worker
     # with adaptive placement sets it to its --itl-target.
     itl_target_s: float | None = None
+    # Cap every step's prompt tokens where the step's fixed cost falls to this share of it
+    # (step_costs.efficient_chunk, from the measured prompt-step cost); None or 0: chunks fill
+    # max_num_batched_tokens. Off for the library (offline batches want throughput only); the
+    # server's --chunk-overhead turns it on (step_costs.CHUNK_OVERHEAD).
+    chunk_overhead: float | None = None
 
 
 class EngineObserver:
@@ -354,10 +359,16 @@ class LLMEngine:
         base, per_token = self.prompt_step_fit()
         return StepTimeBudget(self.config.itl_target_s * STEP_AIM, base, per_token)
 
+    def chunk_tokens(self) -> int | None:
+        """The most prompt tokens a step carries by EngineConfig.chunk_overhead (None: no cap)."""
+        if not self.config.chunk_overhead:
+            return None
+        return efficient_chunk(*self.prompt_step_fit(), self.config.chunk_overhead)
+
     def step(self) -> list[RequestOutput]:
         self._reserve_remote()
         outputs, self.outputs_pending = self.outputs_pending, []
-        batch = self.scheduler.schedule(self.time_budget())
+        batch = self.scheduler.schedule(self.time_budget(), self.chunk_tokens())
         if batch.empty:
             return outputs
         now = time.monotonic()

@@ -12,7 +12,10 @@ recomputed (its prefix blocks often survive in the prefix cache).
 With a `StepTimeBudget` (a decode worker keeping an ITL target), a step that carries decode rows
 carries only as many prompt tokens as fit the target by the measured step cost: a prompt
 prefilled beside running streams then goes in chunks that keep their inter-token latency, and
-the streams' steps never wait for a whole budget's worth of prompt.
+the streams' steps never wait for a whole budget's worth of prompt. `chunk_tokens` (the engine's
+step_costs.efficient_chunk) caps the prompt tokens of every step: chunks only as long as they pay
+for the step's fixed cost, so a short prompt arriving meanwhile, or scheduled beside a long one,
+waits for no more.
 """
 
 from __future__ import annotations
@@ -67,8 +70,9 @@ class Scheduler:
     def waiting_tokens(self) -> int:
         return sum(s.uncomputed for s in self.waiting)
 
-    def schedule(self, time_budget: StepTimeBudget | None = None) -> ScheduledBatch:
-        """This step's batch. `time_budget`: cap the prompt tokens of a step with decode rows."""
+    def schedule(self, time_budget: StepTimeBudget | None = None, chunk_tokens: int | None = None) -> ScheduledBatch:
+        """This step's batch. `time_budget`: cap the prompt tokens of a step with decode rows;
+        `chunk_tokens`: cap the prompt tokens of any step."""
         self.steps += 1
         batch = ScheduledBatch()
         active = [s for s in self.running if s.status is Status.RUNNING]
@@ -89,10 +93,12 @@ class Scheduler:
             self.blocks.grow(seq, len(seq))
             batch.decode.append(seq)
         budget = self.budget - len(batch.decode)
-        step_tokens = self.budget  # what the oldest started prompt gets a quarter of
+        step_tokens = self.budget  # the step's prompt tokens: the oldest started prompt gets a quarter
+        if chunk_tokens is not None:
+            step_tokens = min(step_tokens, chunk_tokens)
         if time_budget is not None and batch.decode:
-            step_tokens = time_budget.prompt_tokens(len(batch.decode))
-            budget = min(budget, step_tokens)
+            step_tokens = min(step_tokens, time_budget.prompt_tokens(len(batch.decode)))
+        budget = min(budget, step_tokens)
         # 2. Prompt work: sequences part-way through their prompt, then waiting requests, the
         # shortest remaining prompt first, so a chat is not stuck behind every chunk of a long
         # document (FIFO made chat TTFT wait for whole 1600-token prefills). The oldest started

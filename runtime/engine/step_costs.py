@@ -13,6 +13,7 @@ so a machine ten times slower than the reference one extrapolates ten times slow
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # The priors: the bundled model on this project's 2-core reference machine, quiet
@@ -102,3 +103,20 @@ class StepTimeBudget:
             return 1 << 30  # nothing measured costs per token: no cap to keep
         fit = int((self.target_s - self.base_s) / self.per_token_s + 1e-9) - decode_rows  # 1e-9: 19.999… is 20
         return max(self.min_tokens, fit)
+
+
+# Share of a prompt-carrying step its fixed cost (the fit's base: the weight stream and the step's
+# own overhead) may be before prompt chunks stop growing. Past that a bigger chunk buys under 5 %
+# more prompt tokens per second, and costs every first token and every stream that shares the
+# step its whole length: on one AVX2 core a 512-token chunk takes ~2.7 s, and a chat whose
+# prompt joined that step waited all of it (docs/benchmarks.md, "Interference").
+CHUNK_OVERHEAD = 0.05
+MIN_CHUNK_TOKENS = 32  # a floor against a fit whose base is an artefact of few step sizes
+
+
+def efficient_chunk(base_s: float, per_token_s: float, overhead: float) -> int | None:
+    """The fewest prompt tokens a step may carry with its fixed cost `base_s` at most `overhead`
+    of the step; None where there is nothing to weigh (no fixed or no per-token cost)."""
+    if overhead <= 0 or base_s <= 0 or per_token_s <= 0:
+        return None
+    return max(MIN_CHUNK_TOKENS, math.ceil(base_s * (1 - overhead) / (overhead * per_token_s) - 1e-9))

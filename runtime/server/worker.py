@@ -30,6 +30,7 @@ def engine_config(args: argparse.Namespace, phase: str = "both") -> EngineConfig
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefix_caching=args.prefix_caching,
         itl_target_s=(args.itl_target or None) if adaptive else None,
+        chunk_overhead=args.chunk_overhead or None,
     )
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -135,6 +136,8 @@ def main() -> None:
                          "(default: 4 x --duration + 120 with --heavy, none otherwise)")
     ap.add_argument("--placement", choices=("static", "adaptive"), default="static",
                     help="split's --prefill-placement (adaptive: short prompts may be prefilled on the decode worker)")
+    ap.add_argument("--up-args", default="",
+                    help="more flags for both systems' `phasesplit up`, e.g. '--chunk-overhead 0' (an A/B of one flag)")
     a = ap.parse_args()
     if a.heavy:
         a.doc_input_len = 1800 if a.doc_input_len == 1600 else a.doc_input_len
@@ -151,7 +154,8 @@ def main() -> None:
     split_args = ["--pin-cpus", "--prefill-placement", a.placement]
     cap = a.cap if a.cap is not None else (4 * a.duration + 120 if a.heavy else None)
     cuts = {}
-    for label, up_args in (("split", split_args), ("colocated", ["--colocated"])):
+    extra = shlex.split(a.up_args)
+    for label, up_args in (("split", split_args + extra), ("colocated", ["--colocated", *extra])):
         doc = run_one(label, up_args, bench, out, a.port, beside=docs, cap_s=cap)
         results[label] = chat_stats(doc)
         if "cut_after_s" in doc:

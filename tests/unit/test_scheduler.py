@@ -144,3 +144,37 @@ def test_time_budget_cuts_prompt_chunks_beside_streams_only():
         run(sched, b)
     assert chunks == [19] * 5 + [5]  # 20 tokens a step minus the stream's row
     assert max(chunks) < 64
+
+
+def test_chunk_cap_bounds_every_steps_prompt_tokens():
+    """`chunk_tokens` (the engine's efficient chunk) caps prompt tokens in every step, with or
+    without decode rows: a chat that arrives while a document is prefilled is done in a step of
+    at most that many prompt tokens, not one padded to the whole token budget."""
+    from phasesplit.runtime.engine.step_costs import efficient_chunk
+
+    # A step of 35 ms plus 5 ms a token (one AVX2 core): a 5 % fixed cost at 133 tokens.
+    assert efficient_chunk(0.035, 0.005, 0.05) == 133
+    step = 0.035 + 0.005 * 133
+    assert 0.035 / step <= 0.05 < 0.035 / (step - 0.005)
+    assert efficient_chunk(0.0, 0.005, 0.05) is None and efficient_chunk(0.035, 0.0, 0.05) is None
+    assert efficient_chunk(0.035, 0.005, 0.0) is None
+    assert efficient_chunk(0.0001, 0.005, 0.05) == 32  # the floor: a fit with next to no base
+
+    sched = Scheduler(BlockManager(400, 4, prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=512)
+    doc = Sequence("doc", list(range(1000)), SamplingParams())
+    sched.add(doc)
+    b = sched.schedule(chunk_tokens=133)
+    assert b.prefill == [(doc, 133)]
+    run(sched, b)
+    chat = Sequence("chat", list(range(40)), SamplingParams())
+    sched.add(chat)
+    b = sched.schedule(chunk_tokens=133)
+    got = {s.request_id: n for s, n in b.prefill}
+    assert got == {"doc": 93, "chat": 40}  # the document's quarter (33), the chat whole, the rest to it
+    run(sched, b)
+    assert chat.output_ids, "the chat's first token came out of a step of 133 prompt tokens"
+    while doc.uncomputed > 1:
+        b = sched.schedule(chunk_tokens=133)
+        assert chat in b.decode and sum(n for _, n in b.prefill) <= 133
+        run(sched, b)
+    assert sched.schedule().prefill == [], "uncapped: nothing left to prefill"
