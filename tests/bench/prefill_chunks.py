@@ -38,7 +38,7 @@ def main() -> int:
     chunks = sorted(int(c) for c in a.chunks.split(","))
     eng = LLMEngine("smollm2", EngineConfig(runner=RunnerConfig(kv_cache_memory=256 << 20, threads=a.threads),
                                             max_num_batched_tokens=max(chunks), prefix_caching=False))
-    vocab = eng.tokenizer.vocab_size if hasattr(eng.tokenizer, "vocab_size") else 40000
+    vocab = eng.tokenizer.vocab_size
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     seed = 0
 
