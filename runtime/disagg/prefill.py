@@ -18,7 +18,7 @@ from phasesplit.runtime.engine.engine import KVConnector
 from phasesplit.runtime.engine.model_runner import LayerStream, ModelRunner
 from phasesplit.runtime.engine.scheduler import ScheduledBatch
 from phasesplit.runtime.engine.sequence import Sequence
-from phasesplit.runtime.kv.sender import KVSender, TransferFailed
+from phasesplit.runtime.kv.sender import KVLinks, KVSender, TransferFailed
 from phasesplit.runtime.server.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
@@ -35,9 +35,13 @@ class PrefillConnector(KVConnector):
     """Streams the K/V each step computes for requests with a transfer, layer by layer."""
 
     def __init__(self, runner: ModelRunner, timeout: float, secret: str, layout: str) -> None:
-        self.runner, self.timeout, self.secret, self.layout = runner, timeout, secret, layout
+        self.runner, self.timeout = runner, timeout
+        self.links = KVLinks(secret, layout, timeout)  # one open link per decode worker, kept between calls
         self.outgoing: dict[str, _Outgoing] = {}  # engine request id -> transfer (event loop writes)
         self._items: list[tuple[Sequence, int, int, KVSender]] = []  # this step's (seq, lo, hi, sender)
+
+    def close(self) -> None:
+        self.links.close()
 
     # -- engine thread --------------------------------------------------------------------------
 
@@ -66,8 +70,7 @@ class PrefillConnector(KVConnector):
     async def prefill(self, aengine: AsyncEngine, call: PrefillCall) -> PrefillDone:
         """Run one checked call to the end of its transfer. Raises TransferFailed or RuntimeError."""
         t0 = time.monotonic()
-        sender = KVSender((call.kv_host, call.kv_port), call.transfer_id, self.secret, self.layout,
-                          timeout=self.timeout)
+        sender = self.links.sender((call.kv_host, call.kv_port), call.transfer_id)
         rid = f"{call.request_id}/{call.transfer_id}"
         self.outgoing[rid] = _Outgoing(sender, call.skip)
         first: int | None = None

@@ -3,8 +3,8 @@
 The engine thread only hands a finished layer's K/V over and queues it; the socket write happens
 on a link thread, while the engine computes the next layer (the overlap the split depends on).
 
-One link (a TCP connection and its thread) per decode worker address, kept open and shared by
-every transfer to that worker: a transfer then starts sending at once, instead of paying for a
+One link (a TCP connection and its thread) per decode worker address, kept open by the prefill
+worker's `KVLinks` and shared by every transfer to that worker: a transfer then starts sending at once, instead of paying for a
 connect, an accept and two thread starts (measured at 2-4 ms of a 20 ms 2048-token transfer on
 the 2-core machine). Frames of different transfers may interleave on a link; each frame names
 its transfer, and the receiver checks order per transfer and layer. Each new connection first
@@ -30,17 +30,39 @@ class TransferFailed(RuntimeError):
     pass
 
 
+class KVLinks:
+    """The links of one prefill worker (its owner: one per connector, closed with it)."""
+
+    def __init__(self, secret: str, layout: str, timeout: float = 30.0) -> None:
+        """layout: this worker's handshake.fingerprint, which each receiver's must equal."""
+        self.secret, self.layout, self.timeout = secret, layout, timeout
+        self._links: dict[tuple[str, int], _Link] = {}
+        self._lock = threading.Lock()  # transfers start on the event loop, close may come from anywhere
+
+    def sender(self, address: tuple[str, int], transfer_id: int) -> KVSender:
+        """A new transfer to `address`, on its link (opened by the first transfer there)."""
+        with self._lock:
+            link = self._links.get(address)
+            if link is None:
+                link = self._links[address] = _Link(address, self.timeout, self.secret, self.layout)
+        return KVSender(link, transfer_id)
+
+    def close(self) -> None:
+        """End every link's thread and connection; transfers still on them fail."""
+        with self._lock:
+            links, self._links = list(self._links.values()), {}
+        for link in links:
+            link.q.put(None)
+
+
 class KVSender:
     """One transfer: queue its layers, then `finish` with the first token and `wait` for the ACK."""
 
-    def __init__(self, address: tuple[str, int], transfer_id: int, secret: str, layout: str,
-                 timeout: float = 30.0) -> None:
-        """layout: this worker's handshake.fingerprint, which the receiver's must equal."""
-        self.address, self.transfer_id, self.timeout = address, transfer_id, timeout
+    def __init__(self, link: _Link, transfer_id: int) -> None:
+        self.link, self.address, self.transfer_id, self.timeout = link, link.address, transfer_id, link.timeout
         self.bytes = 0
         self.error: BaseException | None = None
         self.done = threading.Event()
-        self.link = _Link.get(address, timeout, secret, layout)
 
     def send_layer(self, layer: int, token_start: int, kv: torch.Tensor) -> None:
         """kv: [2, tokens, kv_heads, head_dim] on CPU, owned by the sender from now on."""
@@ -72,20 +94,9 @@ class KVSender:
 class _Link:
     """A persistent connection to one decode worker's KV port and the thread that writes to it."""
 
-    _links: dict[tuple[str, int], _Link] = {}
-    _links_lock = threading.Lock()
-
-    @classmethod
-    def get(cls, address: tuple[str, int], timeout: float, secret: str, layout: str) -> _Link:
-        with cls._links_lock:
-            link = cls._links.get(address)
-            if link is None or (link.secret, link.layout) != (secret, layout):
-                link = cls._links[address] = cls(address, timeout, secret, layout)
-            return link
-
     def __init__(self, address: tuple[str, int], timeout: float, secret: str, layout: str) -> None:
         self.address, self.timeout, self.secret, self.layout = address, timeout, secret, layout
-        self.q: queue.SimpleQueue[tuple[KVSender, tuple]] = queue.SimpleQueue()
+        self.q: queue.SimpleQueue[tuple[KVSender, tuple] | None] = queue.SimpleQueue()  # None: close
         self.sock: socket.socket | None = None
         self.active: set[KVSender] = set()  # transfers with frames on the current connection
         threading.Thread(target=self._run, name=f"kv-link-{address[0]}:{address[1]}", daemon=True).start()
@@ -121,7 +132,13 @@ class _Link:
 
     def _run(self) -> None:
         while True:
-            sender, item = self.q.get()
+            entry = self.q.get()
+            if entry is None:
+                self._drop(TransferFailed(f"link to {self.address} closed by its worker"))
+                for sender, _ in _drain(self.q):
+                    sender._end(TransferFailed(f"link to {self.address} closed by its worker"))
+                return
+            sender, item = entry
             if sender.done.is_set():
                 continue  # aborted or failed: its remaining frames are not sent
             try:
@@ -143,6 +160,17 @@ class _Link:
             except BaseException as e:  # noqa: BLE001 - handed to the waiting transfers
                 self.active.add(sender)
                 self._drop(e)
+
+
+def _drain(q: queue.SimpleQueue) -> list:
+    items = []
+    while True:
+        try:
+            entry = q.get_nowait()
+        except queue.Empty:
+            return items
+        if entry is not None:
+            items.append(entry)
 
 
 def _alive(sock: socket.socket) -> bool:

@@ -84,6 +84,7 @@ def build_prefill_app(args: argparse.Namespace) -> FastAPI:
     aengine = AsyncEngine(engine)
     app = _worker_app("phasesplit prefill worker", engine, metrics, aengine, secret, args)
     app.router.on_shutdown.append(aengine.shutdown)
+    app.router.on_shutdown.append(connector.close)
 
     @app.get("/internal/state")
     async def state() -> dict[str, Any]:

@@ -26,18 +26,18 @@ import time
 import torch
 
 from phasesplit.runtime.kv.receiver import KVReceiver
-from phasesplit.runtime.kv.sender import KVSender
+from phasesplit.runtime.kv.sender import KVLinks
 
 LAYERS, HEADS, DIM = 30, 3, 64
 SECRET = "bench-internal-secret"
 LAYOUT = "bench-model/bfloat16/block16/bench"  # both ends the same: the handshake compares, nothing more
 
 
-def phasesplit_once(receiver: KVReceiver, layers: list[torch.Tensor], tokens: int, tid: int) -> float:
+def phasesplit_once(links: KVLinks, receiver: KVReceiver, layers: list[torch.Tensor], tokens: int, tid: int) -> float:
     done = threading.Event()
     receiver.expect(tid, torch.arange(tokens), 0, lambda *a: done.set(), lambda why: print("FAILED", why))
     t0 = time.perf_counter()
-    sender = KVSender(("127.0.0.1", receiver.port), tid, SECRET, LAYOUT)
+    sender = links.sender(("127.0.0.1", receiver.port), tid)
     for i, kv in enumerate(layers):
         sender.send_layer(i, 0, kv)
     sender.finish(1)
@@ -81,6 +81,7 @@ def main() -> None:
     a = ap.parse_args()
     cache = torch.zeros(2, LAYERS, a.tokens, HEADS, DIM, dtype=torch.bfloat16)
     receiver = KVReceiver("127.0.0.1", 0, cache, SECRET, vocab_size=2, layout=LAYOUT)
+    links = KVLinks(SECRET, LAYOUT)  # one link for every round, as a prefill worker keeps it
     layers = [torch.randn(2, a.tokens, HEADS, DIM).to(torch.bfloat16) for _ in range(LAYERS)]
     payloads = [memoryview(kv.view(torch.uint8).numpy()).cast("B") for kv in layers]
     nbytes = sum(p.nbytes for p in payloads)
@@ -88,9 +89,9 @@ def main() -> None:
     for r in range(a.repeats + 1):  # the first round warms both paths up and is dropped
         if r % 2:
             t_raw = raw_once(payloads)
-            t_ours = phasesplit_once(receiver, layers, a.tokens, 1000 + r)
+            t_ours = phasesplit_once(links, receiver, layers, a.tokens, 1000 + r)
         else:
-            t_ours = phasesplit_once(receiver, layers, a.tokens, 1000 + r)
+            t_ours = phasesplit_once(links, receiver, layers, a.tokens, 1000 + r)
             t_raw = raw_once(payloads)
         if r:
             ours.append(t_ours)
@@ -104,6 +105,7 @@ def main() -> None:
     print(f"raw loopback socket   : {mr * 1e3:8.1f} ms  {nbytes / mr / 2**30:6.2f} GiB/s (median)")
     print(f"per-round ratio (phasesplit / raw throughput): median {statistics.median(ratios):.2f}, "
           f"quartiles {q1:.2f}-{q3:.2f}, range {ratios[0]:.2f}-{ratios[-1]:.2f}")
+    links.close()
     receiver.close()
 
 

@@ -12,7 +12,7 @@ import torch
 
 from phasesplit.runtime.kv import handshake
 from phasesplit.runtime.kv.receiver import KVReceiver
-from phasesplit.runtime.kv.sender import KVSender, TransferFailed
+from phasesplit.runtime.kv.sender import KVLinks, TransferFailed
 from phasesplit.runtime.kv.wire import ACK, DATA, DONE, HEADER_SIZE, NACK, Header, data_frame
 
 LAYERS, SLOTS, HEADS, DIM = 2, 64, 3, 8
@@ -27,6 +27,14 @@ def receiver():
     r = KVReceiver("127.0.0.1", 0, cache, SECRET, vocab_size=VOCAB, layout=LAYOUT)
     yield r
     r.close()
+
+
+@pytest.fixture
+def links():
+    """A prefill worker's links (each test its own, so no connection outlives its receiver)."""
+    kl = KVLinks(SECRET, LAYOUT)
+    yield kl
+    kl.close()
 
 
 def authed(port: int) -> socket.socket:
@@ -70,11 +78,11 @@ def wait_until(cond, what: str, timeout: float = 10.0) -> None:
         time.sleep(0.005)
 
 
-def test_frames_land_in_reserved_slots_only(receiver):
+def test_frames_land_in_reserved_slots_only(receiver, links):
     slots = [3, 4, 5, 20, 21, 40]  # three runs of consecutive slots
     out = expect(receiver, 7, slots)
     kvs = [layer_kv(len(slots), i) for i in range(LAYERS)]
-    sender = KVSender(("127.0.0.1", receiver.port), 7, SECRET, LAYOUT)
+    sender = links.sender(("127.0.0.1", receiver.port), 7)
     for layer, kv in enumerate(kvs):
         sender.send_layer(layer, 0, kv[:, :4].clone())  # two frames per layer, in token order
         sender.send_layer(layer, 4, kv[:, 4:].clone())
@@ -88,7 +96,7 @@ def test_frames_land_in_reserved_slots_only(receiver):
     assert not cache[:, :, others].any(), "no byte outside the reservation"
 
 
-def test_truncated_frame_fails_its_transfer_only(receiver):
+def test_truncated_frame_fails_its_transfer_only(receiver, links):
     victim = expect(receiver, 1, [0, 1, 2, 3])
     other = expect(receiver, 2, [10, 11, 12, 13])
     kv = layer_kv(4, 5)
@@ -102,7 +110,7 @@ def test_truncated_frame_fails_its_transfer_only(receiver):
     assert receiver.rejected == 1
     assert not receiver.kv_cache[:, :, 10:14].any()
     # the other transfer still completes, on a connection of its own
-    sender = KVSender(("127.0.0.1", receiver.port), 2, SECRET, LAYOUT)
+    sender = links.sender(("127.0.0.1", receiver.port), 2)
     for layer in range(LAYERS):
         sender.send_layer(layer, 0, layer_kv(4, 10 + layer))
     sender.finish(3)
@@ -146,10 +154,10 @@ def test_cancel_mid_frame_defers_the_release(receiver):
     assert not receiver.kv_cache[:, 1, :32].any(), "the late frame wrote nothing"
 
 
-def test_cancel_when_idle_releases_at_once(receiver):
+def test_cancel_when_idle_releases_at_once(receiver, links):
     expect(receiver, 8, [0, 1])
     assert receiver.cancel(8, lambda: pytest.fail("nothing was in flight")) is True
-    sender = KVSender(("127.0.0.1", receiver.port), 8, SECRET, LAYOUT)
+    sender = links.sender(("127.0.0.1", receiver.port), 8)
     sender.send_layer(0, 0, layer_kv(2, 0))
     sender.finish(1)
     with pytest.raises(TransferFailed, match="refused"):
@@ -189,9 +197,9 @@ def closed_by_peer(s: socket.socket, timeout: float = 10.0) -> bool:
         return False
 
 
-def transfer_works(r: KVReceiver, tid: int) -> None:
+def transfer_works(links: KVLinks, r: KVReceiver, tid: int) -> None:
     out = expect(r, tid, [50, 51, 52])
-    sender = KVSender(("127.0.0.1", r.port), tid, SECRET, LAYOUT)
+    sender = links.sender(("127.0.0.1", r.port), tid)
     for layer in range(LAYERS):
         sender.send_layer(layer, 0, layer_kv(3, 30 + layer))
     sender.finish(5)
@@ -210,7 +218,7 @@ def peak_allocation(fn) -> int:
         tracemalloc.stop()
 
 
-def test_unauthenticated_connection_is_refused_before_any_allocation(staged):
+def test_unauthenticated_connection_is_refused_before_any_allocation(staged, links):
     victim = expect(staged, 77, list(range(16)))
 
     def attack() -> None:
@@ -230,10 +238,10 @@ def test_unauthenticated_connection_is_refused_before_any_allocation(staged):
     assert peak < 4 << 20, "nothing near the claimed payload was allocated"
     assert staged.in_flight(77) == 0 and not victim.event.is_set(), "the reservation was never touched"
     assert not staged.kv_cache.any()
-    transfer_works(staged, 78)
+    transfer_works(links, staged, 78)
 
 
-def test_oversized_payload_and_bad_lengths_are_rejected_unallocated(staged):
+def test_oversized_payload_and_bad_lengths_are_rejected_unallocated(staged, links):
     expect(staged, 90, list(range(8)))
     bad_len = Header(DATA, 90, 0, 0, 4, HEADS, DIM, dtype=2, payload_len=2 * 4 * HEADS * DIM * 2)
     bad_len.payload_len += 1  # CRC is valid; the length does not match the shape
@@ -248,10 +256,10 @@ def test_oversized_payload_and_bad_lengths_are_rejected_unallocated(staged):
     print(f"\noversized: rejected={staged.rejected} peak Python allocation {peak / 1024:.0f} KiB")
     assert staged.rejected == 2
     assert peak < 4 << 20
-    transfer_works(staged, 91)
+    transfer_works(links, staged, 91)
 
 
-def test_guessed_transfer_ids_are_rejected(receiver):
+def test_guessed_transfer_ids_are_rejected(receiver, links):
     import random
     real = expect(receiver, random.getrandbits(64), [1, 2, 3, 4])
     guesses = [random.getrandbits(64) for _ in range(20)]
@@ -266,12 +274,12 @@ def test_guessed_transfer_ids_are_rejected(receiver):
     print(f"\nguessed ids: rejected={receiver.rejected} of {len(guesses)} frames")
     assert receiver.rejected == len(guesses)
     assert not real.event.is_set() and not receiver.kv_cache.any()
-    transfer_works(receiver, 12345)
+    transfer_works(links, receiver, 12345)
 
 
-def test_out_of_vocabulary_first_token_fails_the_transfer(receiver):
+def test_out_of_vocabulary_first_token_fails_the_transfer(receiver, links):
     out = expect(receiver, 60, [0, 1])
-    sender = KVSender(("127.0.0.1", receiver.port), 60, SECRET, LAYOUT)
+    sender = links.sender(("127.0.0.1", receiver.port), 60)
     for layer in range(LAYERS):
         sender.send_layer(layer, 0, layer_kv(2, layer))
     sender.finish(VOCAB)  # one past the last token id
@@ -279,10 +287,10 @@ def test_out_of_vocabulary_first_token_fails_the_transfer(receiver):
         sender.wait(10)
     assert out.failed is not None and "outside the vocabulary" in out.failed
     assert out.done is None
-    transfer_works(receiver, 61)
+    transfer_works(links, receiver, 61)
 
 
-def test_a_thousand_idle_connections_are_shed(staged):
+def test_a_thousand_idle_connections_are_shed(staged, links):
     t0 = time.monotonic()
     socks = []
     for _ in range(1000):
@@ -300,17 +308,17 @@ def test_a_thousand_idle_connections_are_shed(staged):
     finally:
         for s in socks:
             s.close()
-    transfer_works(staged, 99)
+    transfer_works(links, staged, 99)
 
 
-def test_an_idle_authenticated_link_times_out_and_the_sender_reconnects():
+def test_an_idle_authenticated_link_times_out_and_the_sender_reconnects(links):
     cache = torch.zeros(2, LAYERS, SLOTS, HEADS, DIM, dtype=torch.bfloat16)
     r = KVReceiver("127.0.0.1", 0, cache, SECRET, vocab_size=VOCAB, layout=LAYOUT, idle_timeout=0.5)
     try:
-        transfer_works(r, 1)
+        transfer_works(links, r, 1)
         wait_until(lambda: r.connections == 0, "the idle link was closed", timeout=15)
         out = expect(r, 2, [7, 8])
-        sender = KVSender(("127.0.0.1", r.port), 2, SECRET, LAYOUT)
+        sender = links.sender(("127.0.0.1", r.port), 2)
         for layer in range(LAYERS):
             sender.send_layer(layer, 0, layer_kv(2, layer))
         sender.finish(3)
@@ -320,7 +328,7 @@ def test_an_idle_authenticated_link_times_out_and_the_sender_reconnects():
         r.close()
 
 
-def test_a_landing_buffer_takes_every_head_and_leaves_the_cache_alone(receiver):
+def test_a_landing_buffer_takes_every_head_and_leaves_the_cache_alone(receiver, links):
     """A tensor-parallel decode worker: its cache holds some heads (here 3), frames carry all the
     model's heads (here 5) into the transfer's landing buffer, which the engine then scatters."""
     heads, slots, skip = 5, [8, 9, 10, 11, 30], 1
@@ -329,7 +337,7 @@ def test_a_landing_buffer_takes_every_head_and_leaves_the_cache_alone(receiver):
     receiver.expect(11, torch.tensor(slots), skip, out.on_done, out.on_fail, landing=landing)
     g = torch.Generator().manual_seed(5)
     kvs = [torch.randn(2, len(slots) - skip, heads, DIM, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
-    sender = KVSender(("127.0.0.1", receiver.port), 11, SECRET, LAYOUT)
+    sender = links.sender(("127.0.0.1", receiver.port), 11)
     for layer, kv in enumerate(kvs):
         sender.send_layer(layer, skip, kv[:, :2].clone())
         sender.send_layer(layer, skip + 2, kv[:, 2:].clone())
@@ -342,9 +350,9 @@ def test_a_landing_buffer_takes_every_head_and_leaves_the_cache_alone(receiver):
     assert not receiver.kv_cache.any()  # nothing went into the cache's rows
 
 
-def test_a_frame_with_the_wrong_head_count_fails_its_transfer(receiver):
+def test_a_frame_with_the_wrong_head_count_fails_its_transfer(receiver, links):
     out = expect(receiver, 12, [1, 2])  # a plain transfer into the cache: 3 heads
-    sender = KVSender(("127.0.0.1", receiver.port), 12, SECRET, LAYOUT)
+    sender = links.sender(("127.0.0.1", receiver.port), 12)
     sender.send_layer(0, 0, torch.zeros(2, 2, HEADS + 1, DIM, dtype=torch.bfloat16))
     sender.finish(1)
     with pytest.raises(TransferFailed):
@@ -360,11 +368,13 @@ def test_sender_of_another_layout_is_refused_by_both_ends_naming_both(receiver):
     other = handshake.fingerprint("unit-model-finetune", "bfloat16", 32, LAYERS, HEADS, DIM)
     done = Outcome()
     receiver.expect(9, torch.arange(8), 0, done.on_done, done.on_fail)
-    sender = KVSender(("127.0.0.1", receiver.port), 9, SECRET, other)
+    foreign = KVLinks(SECRET, other)
+    sender = foreign.sender(("127.0.0.1", receiver.port), 9)
     sender.send_layer(0, 0, torch.ones(2, 8, HEADS, DIM, dtype=torch.bfloat16))
     sender.finish(5)
     with pytest.raises(TransferFailed) as e:
         sender.wait(10)
+    foreign.close()
     print(f"\nsender: {e.value}")
     assert "KV layout mismatch" in str(e.value) and LAYOUT in str(e.value) and other in str(e.value)
     deadline = time.monotonic() + 10
@@ -373,6 +383,46 @@ def test_sender_of_another_layout_is_refused_by_both_ends_naming_both(receiver):
     assert receiver.mismatched == 1 and receiver.refused == 1
     assert not receiver.kv_cache.any(), "nothing was written into the cache"
     assert not done.event.is_set(), "the transfer neither completed nor was decoded"
+
+
+def test_closing_the_links_fails_their_unfinished_transfers_and_ends_their_threads(receiver):
+    """A prefill worker shutting down: a transfer still on a link fails at once (not after its
+    timeout), and no link thread or connection outlives the worker's KVLinks."""
+    kl = KVLinks(SECRET, LAYOUT, timeout=60)
+    expect(receiver, 21, [0, 1])
+    sender = kl.sender(("127.0.0.1", receiver.port), 21)
+    sender.send_layer(0, 0, layer_kv(2, 0))
+    wait_until(lambda: receiver.connections == 1, "the link connected")
+    link_threads = [t for t in threading.enumerate() if t.name == f"kv-link-127.0.0.1:{receiver.port}"]
+    assert len(link_threads) == 1
+    t0 = time.monotonic()
+    kl.close()
+    with pytest.raises(TransferFailed, match="closed"):
+        sender.wait(30)
+    assert time.monotonic() - t0 < 5
+    link_threads[0].join(5)
+    assert not link_threads[0].is_alive()
+    wait_until(lambda: receiver.connections == 0, "the receiver saw the connection close")
+
+
+def test_two_workers_links_are_their_own(receiver):
+    """Links belong to their KVLinks, not to the process: another worker's (here: in the same
+    process, as in tests) opens its own connection to the same decode worker."""
+    a, b = KVLinks(SECRET, LAYOUT), KVLinks(SECRET, LAYOUT)
+    try:
+        for kl, tid in ((a, 31), (b, 32)):
+            out = expect(receiver, tid, [tid])
+            sender = kl.sender(("127.0.0.1", receiver.port), tid)
+            for layer in range(LAYERS):
+                sender.send_layer(layer, 0, layer_kv(1, layer))
+            sender.finish(1)
+            sender.wait(10)
+            assert out.done is not None
+        assert receiver.connections == 2
+        assert a.sender(("127.0.0.1", receiver.port), 33).link is not b.sender(("127.0.0.1", receiver.port), 34).link
+    finally:
+        a.close()
+        b.close()
 
 
 def test_receiver_refuses_a_forged_fingerprint_in_the_sender_answer(receiver):
