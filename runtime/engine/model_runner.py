@@ -269,6 +269,7 @@ class ModelRunner:
         # Decode-only CPU steps (native bf16 or AVX2 fp32): all layers in one C call (cpu_decode_step.py).
         self.cpu_step = (CpuDecodeStep.create(model, self.kv_cache, self.block_size, self.paged_kernel)
                          if self.device.type == "cpu" and self.tp_size == 1 else None)
+        self._helpers_mode = os.environ.get("PHASESPLIT_DECODE_HELPERS", "1")  # read once: 1, 0 or small
         self.decode_helpers = self._start_decode_helpers(
             sum(layouts.get(name, 0) for name in ("bf16w_avx2", "cpu_gemm", *cpu_quant.LAYOUTS)))
         if self.ranks is not None:
@@ -296,7 +297,7 @@ class ModelRunner:
         =small keeps the helpers to the steps of a few sequences on the native bf16 path too (the
         rule before they took whole one-call steps: an A/B switch for benchmarks).
         Returns how many helpers run."""
-        if not (self.small_step_threads and shareable_weights) or os.environ.get("PHASESPLIT_DECODE_HELPERS", "1") == "0":
+        if not (self.small_step_threads and shareable_weights) or self._helpers_mode == "0":
             return 0
         from phasesplit.runtime.kernels import build, cpu_gemm_avx2
 
@@ -317,7 +318,7 @@ class ModelRunner:
     def _one_thread_limit(self, helpers: int) -> int:
         """The most decode rows a step runs on one thread (plus `helpers` decode helpers)."""
         if (helpers and self.cpu_step is not None and self.cpu_step.enabled and self.dtype == torch.bfloat16
-                and os.environ.get("PHASESPLIT_DECODE_HELPERS", "1") != "small"):
+                and self._helpers_mode != "small"):
             return CPU_STEP_ROWS
         return self.small_decode_batch
 
