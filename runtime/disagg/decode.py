@@ -287,7 +287,12 @@ class DecodeConnector(KVConnector):
                            kv_port=self.receiver.port, transfer_id=tid, skip=t.skip, revision=self.revision)
         try:
             # asyncio.wait_for, not asyncio.timeout: the runtime supports Python 3.10.
-            reply = await asyncio.wait_for(self._call_and_wait(url, call, done), self.timeout)
+            try:
+                reply = await asyncio.wait_for(self._call_and_wait(url, call, done), self.timeout)
+            except (RemoteError, httpx.HTTPError) as e:
+                if failure:  # the receiver refused the transfer and says why; the prefill worker only that it was
+                    raise RemoteError(f"{failure[0]} (prefill worker: {e})") from None
+                raise
             if failure:
                 raise RemoteError(failure[0])
             if landed:

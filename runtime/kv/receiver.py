@@ -337,6 +337,10 @@ class KVReceiver:
         with self.lock:
             exp = self.transfers.get(h.transfer_id)
             if exp is None:
+                # Its owner cancelled it (timeout, client gone) or a frame failed it: the sender's
+                # NACK is all the prefill worker learns, so say here which it was.
+                log.warning("KV transfer %d ended by its sender after it was %s", h.transfer_id,
+                            "cancelled or failed here" if h.transfer_id in self.retired else "never expected")
                 return False
             busy = exp.busy
             self._retire(h.transfer_id, exp)
