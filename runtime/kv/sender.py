@@ -59,7 +59,7 @@ class KVSender:
     """One transfer: queue its layers, then `finish` with the first token and `wait` for the ACK."""
 
     def __init__(self, link: _Link, transfer_id: int) -> None:
-        self.link, self.address, self.transfer_id, self.timeout = link, link.address, transfer_id, link.timeout
+        self.link, self.transfer_id = link, transfer_id
         self.bytes = 0
         self.error: BaseException | None = None
         self.done = threading.Event()
@@ -80,7 +80,7 @@ class KVSender:
         """Block until the receiver acknowledged; returns bytes sent. Raises TransferFailed."""
         if not self.done.wait(timeout):
             self.abort()
-            raise TransferFailed(f"no acknowledgement from {self.address} within {timeout}s")
+            raise TransferFailed(f"no acknowledgement from {self.link.address} within {timeout}s")
         if self.error is not None:
             raise TransferFailed(str(self.error))
         return self.bytes
@@ -134,9 +134,10 @@ class _Link:
         while True:
             entry = self.q.get()
             if entry is None:
-                self._drop(TransferFailed(f"link to {self.address} closed by its worker"))
+                closed = TransferFailed(f"link to {self.address} closed by its worker")
+                self._drop(closed)
                 for sender, _ in _drain(self.q):
-                    sender._end(TransferFailed(f"link to {self.address} closed by its worker"))
+                    sender._end(closed)
                 return
             sender, item = entry
             if sender.done.is_set():

@@ -28,11 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from phasesplit.runtime.bench.metrics import RequestResult, parse_slo, summarize  # noqa: E402
+from tests.bench.engine_peers import load1  # noqa: E402
 from tests.bench.interference import run_one  # noqa: E402
-
-
-def load1() -> float:
-    return float(Path("/proc/loadavg").read_text().split()[0])
 
 
 def rows_of(doc: dict, slos: dict[str, dict[str, float]]) -> list[dict]:
