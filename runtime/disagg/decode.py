@@ -39,10 +39,10 @@ import torch
 from phasesplit.runtime import internal_secret
 from phasesplit.runtime.disagg import placement
 from phasesplit.runtime.disagg.messages import PrefillCall, PrefillDone
-from phasesplit.runtime.engine.engine import KVConnector
+from phasesplit.runtime.engine.engine import KVConnector, LLMEngine
 from phasesplit.runtime.engine.sequence import Sequence
 from phasesplit.runtime.engine.step_costs import LinearCost
-from phasesplit.runtime.kv.receiver import KVReceiver
+from phasesplit.runtime.kv.receiver import KVReceiver, Landed
 from phasesplit.runtime.kv.sender import TransferFailed
 from phasesplit.runtime.server.async_engine import AsyncEngine
 from phasesplit.runtime.server.metrics import Metrics
@@ -110,6 +110,13 @@ def attempts(urls: list[str], policy: str) -> list[str]:
     if policy in ("local", "fail"):
         return urls[:1]
     return urls[:2] if policy == "retry-local" else urls
+
+
+def _joined(engine: LLMEngine, rid: str, done: Landed, logprob: dict | None = None,
+            prompt_logprobs: list | None = None, kv: tuple | None = None) -> None:
+    """The landed K/V joins the batch (engine thread)."""
+    engine.remote_prefilled(rid, done.first_token, done.seconds, logprob, prompt_logprobs, kv,
+                            remote_queued_s=done.remote_queued_s, remote_prefill_s=done.remote_prefill_s)
 
 
 class DecodeConnector(KVConnector):
@@ -254,7 +261,7 @@ class DecodeConnector(KVConnector):
         # them joins the batch once both are in; others as soon as the K/V has landed.
         p = t.params
         with_logprobs = p.logprobs is not None or p.prompt_logprobs is not None
-        landed: list[tuple[int, float]] = []
+        landed: list[Landed] = []
 
         # A tensor-parallel decode worker receives every head into a buffer of its own, which
         # the engine scatters to the ranks when the request joins the batch (remote_prefilled).
@@ -263,15 +270,15 @@ class DecodeConnector(KVConnector):
 
         started = time.monotonic()
 
-        def on_done(first_token: int, nbytes: int, seconds: float) -> None:  # receiver thread
+        def on_done(done_: Landed) -> None:  # receiver thread
             with self.lock:  # the round trip, for placement: the tokens ahead of it and its own
                 self.remote_cost.observe(queued + len(t.prompt) - t.skip, time.monotonic() - started)
-            self.metrics.child(self.metrics.kv_bytes).inc(nbytes)
-            self.metrics.child(self.metrics.kv_transfer).observe(seconds)
+            self.metrics.child(self.metrics.kv_bytes).inc(done_.bytes)
+            self.metrics.child(self.metrics.kv_transfer).observe(done_.seconds)
             if with_logprobs:
-                landed.append((first_token, seconds))
+                landed.append(done_)
             else:
-                self.aengine.call(lambda e: e.remote_prefilled(rid, first_token, seconds, kv=kv))
+                self.aengine.call(lambda e: _joined(e, rid, done_, kv=kv))
             loop.call_soon_threadsafe(done.set)
 
         def on_fail(why: str) -> None:  # receiver thread
@@ -296,9 +303,7 @@ class DecodeConnector(KVConnector):
             if failure:
                 raise RemoteError(failure[0])
             if landed:
-                first, seconds = landed[0]
-                self.aengine.call(lambda e: e.remote_prefilled(rid, first, seconds, reply.logprob,
-                                                               reply.prompt_logprobs, kv))
+                self.aengine.call(lambda e: _joined(e, rid, landed[0], reply.logprob, reply.prompt_logprobs, kv))
         finally:
             # Late frames of this attempt can no longer land; one already landing is waited for
             # (its connection is cut, so it ends at once) before the blocks are retried or freed.

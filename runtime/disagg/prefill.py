@@ -75,15 +75,17 @@ class PrefillConnector(KVConnector):
         self.outgoing[rid] = _Outgoing(sender, call.skip)
         first: int | None = None
         logprobs: dict = {}  # the first token's and the prompt's, when the request asked for them
+        timing: dict[str, float] = {}  # this engine's queue wait and prefill, for the decode worker's timing
         try:
             async for out in aengine.generate(rid, call.prompt_ids, call.params, prefill_only=True):
                 first = out.new_token_ids[0]
+                timing = out.timing or timing
                 if out.logprobs:
                     logprobs["logprob"] = out.logprobs[0]
                 if out.prompt_logprobs is not None:
                     logprobs["prompt_logprobs"] = out.prompt_logprobs
             assert first is not None
-            sender.finish(first)
+            sender.finish(first, timing.get("queued_s"), timing.get("prefill_s"))
             sent = await asyncio.to_thread(sender.wait, self.timeout)
         except (TransferFailed, RuntimeError) as e:
             sender.abort()

@@ -282,7 +282,8 @@ class LLMEngine:
     def remote_prefilled(self, request_id: str, first_token: int, transfer_s: float | None = None,
                          logprob: dict[str, Any] | None = None,
                          prompt_logprobs: list[dict[str, Any] | None] | None = None,
-                         kv: tuple[int, Any] | None = None) -> bool:
+                         kv: tuple[int, Any] | None = None, *, remote_queued_s: float | None = None,
+                         remote_prefill_s: float | None = None) -> bool:
         """The prompt's K/V arrived: join the running batch with the prefill's first token (and
         its logprob, and the prompt's, when the request asked for them); other choices fork it.
         `kv` (first position, [2, layers, tokens, kv_heads, head_dim]): K/V that landed outside
@@ -294,6 +295,7 @@ class LLMEngine:
             self.runner.write_kv(seq, *kv)
         seq.num_computed = len(seq.prompt_ids)
         seq.kv_transfer_s = transfer_s
+        seq.remote_queued_s, seq.remote_prefill_s = remote_queued_s, remote_prefill_s
         if prompt_logprobs is not None and seq.prompt_lp is not None:
             seq.prompt_lp = list(prompt_logprobs)
         self.blocks.register_computed(seq)
@@ -545,4 +547,9 @@ def _timing(seq: Sequence, now: float) -> dict[str, float]:
     t = {"queued_s": scheduled - seq.arrival, "prefill_s": first - scheduled, "decode_s": now - first}
     if seq.kv_transfer_s is not None:  # split: the layer-wise transfer overlaps the remote prefill
         t["kv_transfer_s"] = seq.kv_transfer_s
+    if seq.remote_queued_s is not None and seq.remote_prefill_s is not None:
+        # A remote prefill_s, taken apart: the prefill worker's queue and compute as it measured
+        # them, and the rest: the calls, the wake-ups and the decode engine taking the K/V in.
+        t["remote_queued_s"], t["remote_prefill_s"] = seq.remote_queued_s, seq.remote_prefill_s
+        t["remote_hop_s"] = max(0.0, t["prefill_s"] - seq.remote_queued_s - seq.remote_prefill_s)
     return t

@@ -37,6 +37,8 @@ class Sequence:
     queued_step: int = 0  # the scheduler step it (re)joined the waiting queue at (aging)
     prefill_only: bool = False  # prefill worker: stop after the first token
     kv_transfer_s: float | None = None  # split mode: seconds the prompt's K/V took to arrive
+    remote_queued_s: float | None = None  # split mode: its wait in the prefill worker's queue
+    remote_prefill_s: float | None = None  # split mode: its prefill there, queue excluded
     group: str = ""  # the request this sequence is a choice of (its own id when n == 1)
     index: int = 0  # which choice of its request
     matcher: Any = None  # grammar matcher of a constrained request (engine/grammar.py)

@@ -54,6 +54,7 @@ from phasesplit.runtime.kv.wire import (
     NACK,
     FrameError,
     Header,
+    done_phases,
     payload_tensor,
 )
 from phasesplit.runtime.model.attention import write_rows
@@ -78,11 +79,22 @@ def slot_runs(slots: torch.Tensor) -> list[tuple[int, int, int]]:
     return [(a, int(s[a]), b - a) for a, b in zip(starts, ends, strict=True)]
 
 
+@dataclass(frozen=True)
+class Landed:
+    """A transfer whose every layer arrived: what its DONE frame said, and what came in."""
+
+    first_token: int
+    bytes: int
+    seconds: float  # from `expect` to DONE
+    remote_queued_s: float | None = None  # the prompt's wait in the prefill worker's queue, as it measured it
+    remote_prefill_s: float | None = None  # its prefill there, queue excluded
+
+
 @dataclass
 class Expected:
     slots: torch.Tensor  # cache slot of every prompt position
     skip: int  # positions below this are already cached here and are not sent
-    on_done: Callable[[int, int, float], None]  # (first_token, bytes, seconds)
+    on_done: Callable[[Landed], None]
     on_fail: Callable[[str], None]
     runs: list[tuple[int, int, int]] = field(default_factory=list)  # slot_runs(slots)
     filled: list[int] = field(default_factory=list)  # per layer: next expected position
@@ -127,7 +139,7 @@ class KVReceiver:
         threading.Thread(target=self._accept, name="kv-accept", daemon=True).start()
 
     def expect(self, transfer_id: int, slots: torch.Tensor, skip: int,
-               on_done: Callable[[int, int, float], None], on_fail: Callable[[str], None],
+               on_done: Callable[[Landed], None], on_fail: Callable[[str], None],
                landing: torch.Tensor | None = None) -> None:
         """Accept a transfer into `slots` (one per prompt position), or, with `landing` (a
         contiguous CPU [2, layers, len(slots), kv_heads, head_dim] tensor), into that: frames
@@ -351,7 +363,7 @@ class KVReceiver:
         if missing:
             exp.on_fail(f"transfer ended with layers {missing[:5]} incomplete")
             return False
-        exp.on_done(h.value, exp.bytes, time.monotonic() - exp.started)
+        exp.on_done(Landed(h.value, exp.bytes, time.monotonic() - exp.started, *done_phases(h)))
         return True
 
     def _fail(self, tid: int, why: str) -> None:

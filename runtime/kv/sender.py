@@ -23,7 +23,7 @@ import threading
 import torch
 
 from phasesplit.runtime.kv import handshake
-from phasesplit.runtime.kv.wire import ACK, DONE, HEADER_SIZE, Header, data_frame
+from phasesplit.runtime.kv.wire import ACK, HEADER_SIZE, Header, data_frame, done_header
 
 
 class TransferFailed(RuntimeError):
@@ -68,8 +68,10 @@ class KVSender:
         """kv: [2, tokens, kv_heads, head_dim] on CPU, owned by the sender from now on."""
         self.link.q.put((self, (layer, token_start, kv)))
 
-    def finish(self, first_token: int) -> None:
-        self.link.q.put((self, ("done", first_token)))
+    def finish(self, first_token: int, queued_s: float | None = None, compute_s: float | None = None) -> None:
+        """End the transfer with its first token and, for the decode worker's timing, how long the
+        prompt waited here and how long its prefill took."""
+        self.link.q.put((self, ("done", done_header(self.transfer_id, first_token, queued_s, compute_s))))
 
     def abort(self) -> None:
         """Drop whatever is still queued. The decode worker learns of it from the prefill call's
@@ -145,7 +147,7 @@ class _Link:
             try:
                 sock = self._connect()
                 if item[0] == "done":
-                    sock.sendall(Header(DONE, sender.transfer_id, value=item[1]).pack())
+                    sock.sendall(item[1].pack())
                     reply = Header.unpack(_recv_exact(sock, HEADER_SIZE))
                     self.active.discard(sender)
                     if reply.kind != ACK or reply.transfer_id != sender.transfer_id:

@@ -8,7 +8,9 @@ Every frame is a 64-byte header followed by `payload_len` bytes:
 
 A DATA frame carries layer `layer`'s K and V for tokens [token_start, token_start+num_tokens) as a
 [2, num_tokens, kv_heads, head_dim] tensor. DONE ends a transfer and carries the first sampled
-token; the receiver answers ACK or NACK. The header has a CRC so that a garbled header is caught
+token in `value` and, in `layer` and `token_start`, the prefill worker's queue wait and prefill
+compute for it (microseconds + 1; 0: not reported), so that the decode worker can tell a client
+where its time to first token went; the receiver answers ACK or NACK. The header has a CRC so that a garbled header is caught
 before its lengths are trusted; payload lengths are checked against the shape.
 """
 
@@ -97,3 +99,24 @@ def data_frame(transfer_id: int, layer: int, token_start: int, kv: torch.Tensor)
 def payload_tensor(h: Header, payload: bytearray | memoryview) -> torch.Tensor:
     t = torch.frombuffer(payload, dtype=torch.uint8).view(CODE_DTYPES[h.dtype])
     return t.view(2, h.num_tokens, h.kv_heads, h.head_dim)
+
+
+_U32 = (1 << 32) - 1
+
+
+def _micros(seconds: float | None) -> int:
+    return 0 if seconds is None else min(_U32, round(max(0.0, seconds) * 1e6) + 1)
+
+
+def done_header(transfer_id: int, first_token: int, queued_s: float | None = None,
+                compute_s: float | None = None) -> Header:
+    """The DONE frame of a transfer: its first token and the prefill worker's own phase times."""
+    return Header(DONE, transfer_id, layer=_micros(queued_s), token_start=_micros(compute_s), value=first_token)
+
+
+def done_phases(h: Header) -> tuple[float | None, float | None]:
+    """(queue wait, prefill compute) in seconds from a DONE header; None where not reported."""
+    def seconds(v: int) -> float | None:
+        return None if v == 0 else (v - 1) / 1e6
+
+    return seconds(h.layer), seconds(h.token_start)

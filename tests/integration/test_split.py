@@ -174,6 +174,11 @@ def test_router_metrics_include_ttft_itl(split, prompts):
     router = split[2]
     timing = complete(router.url, prompts[0], max_tokens=4)["phasesplit_timing"]
     assert 0 < timing["kv_transfer_s"] <= timing["prefill_s"]  # the transfer happens inside the prefill
+    # The remote prefill taken apart: the prefill worker's own queue and compute lie inside the
+    # decode worker's prefill_s (one clock: both on this machine); the hops are the rest.
+    queued, computed = timing["remote_queued_s"], timing["remote_prefill_s"]
+    assert queued >= 0 and computed > 0 and queued + computed <= timing["prefill_s"]
+    assert timing["remote_hop_s"] == pytest.approx(timing["prefill_s"] - queued - computed, abs=1e-9)
     m = httpx.get(router.url + "/metrics").text
     assert float(_sample(m, names.TTFT + "_count", phase="router")) > 0
     assert float(_sample(m, names.ITL + "_count", phase="router")) > 0

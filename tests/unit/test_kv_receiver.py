@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from phasesplit.runtime.kv import handshake
-from phasesplit.runtime.kv.receiver import KVReceiver
+from phasesplit.runtime.kv.receiver import KVReceiver, Landed
 from phasesplit.runtime.kv.sender import KVLinks, TransferFailed
 from phasesplit.runtime.kv.wire import ACK, DATA, DONE, HEADER_SIZE, NACK, Header, data_frame
 
@@ -48,11 +48,11 @@ def authed(port: int) -> socket.socket:
 class Outcome:
     def __init__(self) -> None:
         self.event = threading.Event()
-        self.done: tuple[int, int, float] | None = None
+        self.done: Landed | None = None
         self.failed: str | None = None
 
-    def on_done(self, first: int, nbytes: int, seconds: float) -> None:
-        self.done = (first, nbytes, seconds)
+    def on_done(self, landed: Landed) -> None:
+        self.done = landed
         self.event.set()
 
     def on_fail(self, why: str) -> None:
@@ -86,9 +86,11 @@ def test_frames_land_in_reserved_slots_only(receiver, links):
     for layer, kv in enumerate(kvs):
         sender.send_layer(layer, 0, kv[:, :4].clone())  # two frames per layer, in token order
         sender.send_layer(layer, 4, kv[:, 4:].clone())
-    sender.finish(99)
+    sender.finish(99, queued_s=0.25, compute_s=1.5)
     assert sender.wait(10) > 0
-    assert out.done is not None and out.done[0] == 99
+    assert out.done is not None and out.done.first_token == 99
+    # The prefill worker's own phase times ride on DONE, for the decode worker's timing.
+    assert (out.done.remote_queued_s, out.done.remote_prefill_s) == (0.25, 1.5)
     cache = receiver.kv_cache
     for layer, kv in enumerate(kvs):
         assert torch.equal(cache[:, layer, slots], kv)
@@ -116,6 +118,7 @@ def test_truncated_frame_fails_its_transfer_only(receiver, links):
     sender.finish(3)
     sender.wait(10)
     assert other.done is not None
+    assert other.done.remote_queued_s is None and other.done.remote_prefill_s is None  # none were reported
     assert torch.equal(receiver.kv_cache[:, 1, 10:14], layer_kv(4, 11))
 
 
@@ -204,7 +207,7 @@ def transfer_works(links: KVLinks, r: KVReceiver, tid: int) -> None:
         sender.send_layer(layer, 0, layer_kv(3, 30 + layer))
     sender.finish(5)
     sender.wait(10)
-    assert out.done is not None and out.done[0] == 5
+    assert out.done is not None and out.done.first_token == 5
     assert torch.equal(r.kv_cache[:, 1, [50, 51, 52]], layer_kv(3, 31))
 
 
@@ -343,7 +346,7 @@ def test_a_landing_buffer_takes_every_head_and_leaves_the_cache_alone(receiver, 
         sender.send_layer(layer, skip + 2, kv[:, 2:].clone())
     sender.finish(42)
     assert sender.wait(10) > 0
-    assert out.done is not None and out.done[0] == 42, out.failed
+    assert out.done is not None and out.done.first_token == 42, out.failed
     for layer, kv in enumerate(kvs):
         assert torch.equal(landing[:, layer, skip:], kv)
     assert not landing[:, :, :skip].any()

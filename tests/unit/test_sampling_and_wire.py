@@ -4,7 +4,17 @@ import pytest
 import torch
 
 from phasesplit.runtime.engine.sampling import Sampler
-from phasesplit.runtime.kv.wire import DATA, DONE, HEADER_SIZE, FrameError, Header, data_frame, payload_tensor
+from phasesplit.runtime.kv.wire import (
+    DATA,
+    DONE,
+    HEADER_SIZE,
+    FrameError,
+    Header,
+    data_frame,
+    done_header,
+    done_phases,
+    payload_tensor,
+)
 from phasesplit.runtime.request import SamplingParams
 
 
@@ -42,6 +52,16 @@ def test_frame_roundtrip():
     h = Header.unpack(head)
     assert (h.kind, h.transfer_id, h.layer, h.token_start, h.num_tokens) == (DATA, 42, 7, 16, 5)
     assert torch.equal(payload_tensor(h, bytearray(payload)), kv)
+
+
+def test_done_frame_carries_the_prefill_workers_phase_times():
+    h = Header.unpack(done_header(9, 1234, queued_s=0.0, compute_s=0.123456).pack())
+    assert (h.kind, h.transfer_id, h.value) == (DONE, 9, 1234)
+    assert done_phases(h) == (0.0, 0.123456)  # a zero wait is a time, not "not reported"
+    assert done_phases(Header.unpack(done_header(9, 1).pack())) == (None, None)
+    assert done_phases(Header(DONE, 9, value=1)) == (None, None)  # a sender that reports none
+    far, _ = done_phases(done_header(9, 1, queued_s=1e9, compute_s=-1.0))  # clamped to the field
+    assert far == pytest.approx(((1 << 32) - 2) / 1e6)
 
 
 def test_bad_headers_are_rejected():
