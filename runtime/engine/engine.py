@@ -176,10 +176,12 @@ class LLMEngine:
 
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    prefill_only: bool = False, remote: bool = False) -> Sequence:
+                    prefill_only: bool = False, remote: bool = False, arrival: float | None = None) -> Sequence:
         """Queue a checked request. remote: its prompt is prefilled by another worker into
-        blocks reserved here (split decode); prefill_only: stop after the first token (split prefill)."""
-        seq = self._new_request(request_id, prompt_ids, params, remote, prefill_only)
+        blocks reserved here (split decode); prefill_only: stop after the first token (split prefill).
+        arrival: when it was handed over (time.monotonic()), if earlier than now: a server's engine
+        takes requests in between steps, and that wait is queueing too."""
+        seq = self._new_request(request_id, prompt_ids, params, remote, prefill_only, arrival)
         if remote:
             self.remote_waiting.append(seq)
             self._reserve_remote()
@@ -188,7 +190,7 @@ class LLMEngine:
         return seq
 
     def _new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, remote: bool,
-                     prefill_only: bool) -> Sequence:
+                     prefill_only: bool, arrival: float | None = None) -> Sequence:
         """A request's sequences: choice 0 runs the prompt; with n > 1 (or best_of) the other
         choices wait for its K/V and then fork its blocks (`_fork`), each with its own seed stream."""
         if request_id in self.groups:
@@ -201,6 +203,9 @@ class LLMEngine:
             status = Status.REMOTE_PREFILL if remote and i == 0 else Status.WAITING
             seqs.append(Sequence(sid, list(prompt_ids), p, status=status, prefill_only=prefill_only,
                                  group=request_id, index=i))
+        if arrival is not None:
+            for seq in seqs:
+                seq.arrival = min(seq.arrival, arrival)
         if params.guided is not None:  # compiled per sequence: each choice walks the grammar on its own
             try:
                 for seq in seqs:

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -54,7 +55,8 @@ class AsyncEngine:
             raise EngineDead(f"engine failed: {self.error}")
         q: asyncio.Queue = asyncio.Queue()
         self.streams[request_id] = (asyncio.get_running_loop(), q)
-        self.inbox.put(("add", (request_id, prompt_ids, params, options)))
+        # Stamped here: the engine takes it in between steps, and that wait is part of its queueing.
+        self.inbox.put(("add", (request_id, prompt_ids, params, {**options, "arrival": time.monotonic()})))
         finished = False
         # Every choice of an n > 1 request ends on its own; a prefill worker runs only the first.
         pending = 1 if options.get("prefill_only") else params.num_seqs
