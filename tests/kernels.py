@@ -7,13 +7,13 @@ import shutil
 
 import pytest
 
+from phasesplit.runtime import cpu_info
 from phasesplit.runtime.kernels import build
 
 
 def can_build(spec: build.Spec) -> bool:
     """Whether this CPU has the spec's instruction sets and a C compiler is on PATH."""
-    with open("/proc/cpuinfo") as f:
-        return build.cpu_supported(f.read(), spec) and shutil.which("cc") is not None
+    return build.cpu_supported(cpu_info.read(), spec) and shutil.which("cc") is not None
 
 
 def built_or_skip(lib, spec: build.Spec, what: str, reason: str):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from phasesplit.runtime import cpu_info
 from phasesplit.runtime.engine.cpu_decode_step import MAX_ROWS as CPU_STEP_ROWS
 from phasesplit.runtime.engine.cpu_decode_step import CpuDecodeStep
 from phasesplit.runtime.engine.cuda_graphs import DecodeGraphs
@@ -106,11 +107,7 @@ def _cpu_has_bf16() -> bool:
     # weights through the AVX2 kernels): to compare the two paths, or test the older one, here.
     if os.environ.get("PHASESPLIT_NATIVE_BF16") == "0":
         return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
+    flags = cpu_info.flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from phasesplit.runtime import cpu_info
+
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("gemm_bf16.c", "decode_attention_bf16.c", "rms_norm_bf16.c",
@@ -99,12 +101,9 @@ def num_threads(n: int) -> Iterator[None]:
 
 
 def cpu_supported(cpuinfo: str, spec: Spec = BF16) -> bool:
-    """Whether /proc/cpuinfo's flags list every instruction set a library is built for."""
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            return all(f in flags for f in spec.cpu_flags)
-    return False
+    """Whether a /proc/cpuinfo's flags list every instruction set a library is built for."""
+    flags = cpu_info.flags(cpuinfo)
+    return bool(flags) and all(f in flags for f in spec.cpu_flags)
 
 
 def _cache_dir() -> Path:
@@ -227,9 +226,8 @@ def _open(spec: Spec) -> ctypes.CDLL:
         raise KernelUnavailable("PHASESPLIT_CPU_KERNELS=0")
     if platform.system() != "Linux" or platform.machine() != "x86_64":
         raise KernelUnavailable(f"not an x86-64 Linux machine ({platform.system()} {platform.machine()})")
-    with open("/proc/cpuinfo") as f:
-        if not cpu_supported(f.read(), spec):
-            raise KernelUnavailable(f"the CPU lacks one of {', '.join(spec.cpu_flags)}")
+    if not cpu_supported(cpu_info.read(), spec):
+        raise KernelUnavailable(f"the CPU lacks one of {', '.join(spec.cpu_flags)}")
     prebuilt = Path(os.environ.get("PHASESPLIT_KERNELS_DIR") or _cache_dir()) / library_name(spec)
     if prebuilt.exists():
         path = prebuilt

@@ -567,11 +567,9 @@ def _plots(data: dict, workload: str, names: list[str], tag: str, img_dir: Path)
 def render(results: Path, img_dir: Path) -> str:
     data = _load(results)
     metas = {n: d["meta"] for n, d in data.items()}
-    cpu = ""
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
+    from phasesplit.runtime import cpu_info
+
+    cpu = cpu_info.model_name()
     when = max((json.loads((results / p["json"]).read_text())["started"] for m in metas.values()
                 for p in m["points"] if (results / p["json"]).is_file()), default="?")
     L = [BEGIN, "## Serving", "",
