@@ -1,7 +1,7 @@
 """Split with adaptive placement vs colocated, past the knee of one workload (issue 19 points 1, 3).
 
     ~/.cache/phasesplit/venv/bin/python tests/bench/placement_sweep.py \
-        [--input-len 512 --output-len 16 --rates 0.45,0.7,1.0 --reps 3 --num-prompts 20]
+        [--input-len 512 --output-len 16 | --workload mixed] [--rates 0.45,0.7,1.0 --reps 3 --num-prompts 20]
 
 Equal cores: `phasesplit up --colocated` (one worker on both cores) against `phasesplit up
 --pin-cpus --prefill-placement adaptive --itl-target T` (a prefill worker on one core, a decode
@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from phasesplit.runtime.bench.metrics import RequestResult, parse_slo, summarize  # noqa: E402
+from tests.bench.compare import WORKLOADS  # noqa: E402
 from tests.bench.engine_peers import load1  # noqa: E402
 from tests.bench.interference import run_one  # noqa: E402
 
@@ -54,6 +55,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default=None,
+                    help="one of compare.py's workloads instead of --input-len/--output-len (e.g. mixed: "
+                         "chats with 20 %% 1,536-token documents)")
     ap.add_argument("--rates", default="0.45,0.7,1.0", help="request rates, each a run of --num-prompts")
     ap.add_argument("--num-prompts", type=int, default=20)
     ap.add_argument("--reps", type=int, default=3)
@@ -74,8 +78,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     systems = {"colocated": ["--colocated"],
                "split": ["--pin-cpus", "--prefill-placement", "adaptive", "--itl-target", a.itl_target]}
-    bench = ["--tokenizer", "smollm2", "--input-len", str(a.input_len), "--output-len", str(a.output_len),
-             "--range-ratio", "0", "--request-rate", a.rates, "--num-prompts", str(a.num_prompts),
+    shape = (WORKLOADS[a.workload] if a.workload else
+             ["--input-len", str(a.input_len), "--output-len", str(a.output_len), "--range-ratio", "0"])
+    bench = ["--tokenizer", "smollm2", *shape, "--request-rate", a.rates, "--num-prompts", str(a.num_prompts),
              "--warmup", "2", "--seed", "3", "--timeout", "400"]
     table = []
     for rep in range(1, a.reps + 1):
