@@ -34,8 +34,6 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from phasesplit.runtime import cpu_info
-
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("gemm_bf16.c", "decode_attention_bf16.c", "rms_norm_bf16.c",
@@ -102,6 +100,9 @@ def num_threads(n: int) -> Iterator[None]:
 
 def cpu_supported(cpuinfo: str, spec: Spec = BF16) -> bool:
     """Whether a /proc/cpuinfo's flags list every instruction set a library is built for."""
+    # Imported here: the image's kernel stage runs this file alone, without the package.
+    from phasesplit.runtime import cpu_info
+
     flags = cpu_info.flags(cpuinfo)
     return bool(flags) and all(f in flags for f in spec.cpu_flags)
 
@@ -226,6 +227,8 @@ def _open(spec: Spec) -> ctypes.CDLL:
         raise KernelUnavailable("PHASESPLIT_CPU_KERNELS=0")
     if platform.system() != "Linux" or platform.machine() != "x86_64":
         raise KernelUnavailable(f"not an x86-64 Linux machine ({platform.system()} {platform.machine()})")
+    from phasesplit.runtime import cpu_info
+
     if not cpu_supported(cpu_info.read(), spec):
         raise KernelUnavailable(f"the CPU lacks one of {', '.join(spec.cpu_flags)}")
     prebuilt = Path(os.environ.get("PHASESPLIT_KERNELS_DIR") or _cache_dir()) / library_name(spec)
