@@ -10,8 +10,9 @@ A DATA frame carries layer `layer`'s K and V for tokens [token_start, token_star
 [2, num_tokens, kv_heads, head_dim] tensor. DONE ends a transfer and carries the first sampled
 token in `value` and, in `layer` and `token_start`, the prefill worker's queue wait and prefill
 compute for it (microseconds + 1; 0: not reported), so that the decode worker can tell a client
-where its time to first token went; the receiver answers ACK or NACK. The header has a CRC so that a garbled header is caught
-before its lengths are trusted; payload lengths are checked against the shape.
+where its time to first token went; the receiver answers ACK or NACK. The header has a CRC so
+that a garbled header is caught before its lengths are trusted; payload lengths are checked
+against the shape.
 """
 
 from __future__ import annotations
