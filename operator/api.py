@@ -371,7 +371,9 @@ class DecodeSpec(PhaseSpec):
         "Static", description="Where a prompt is prefilled. Static: on a prefill worker unless within "
                               "localPrefillThreshold. Adaptive: on the decode worker where its measured step costs "
                               "say the first token comes sooner and no decode step would outgrow slo.itl, else on a "
-                              "prefill worker (localPrefillThreshold still forces short prompts local).")
+                              "prefill worker (localPrefillThreshold still forces short prompts local); and the "
+                              "router sends a whole request to a prefill worker with nothing to prefill that carries "
+                              "fewer requests than the decode worker, so every core decodes a decode-heavy mix.")
 
 
 class SecretKeyRef(ApiModel):

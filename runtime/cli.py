@@ -183,6 +183,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hold-for-prefill", action="store_true",
                    help="router: hold requests while no prefill worker is up too (the decode workers may not "
                         "prefill them; the operator sets it when prefill scales to zero)")
+    g.add_argument("--lend-idle-prefill", action="store_true",
+                   help="router: send a whole request (prefill and decode) to a prefill worker with nothing to "
+                        "prefill when it carries fewer requests than the best decode worker, so a decode-heavy "
+                        "mix decodes on every core (the prefill worker keeps --itl-target for those streams)")
     g.add_argument("--worker-read-timeout", type=parse_seconds, default=30.0,
                    help="router: seconds a decode worker may stay silent mid-request (it sends a keepalive "
                         "line every 2 s while a request waits) before the request fails and the worker is "
@@ -212,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--local-prefill-threshold", type=int, default=0)
     up.add_argument("--prefill-placement", choices=PLACEMENT_MODES, default="static")
     up.add_argument("--itl-target", type=seconds_or_zero, default=0.1)
+    up.add_argument("--no-lend-idle-prefill", dest="lend_idle_prefill", action="store_false",
+                    help="with --prefill-placement adaptive: keep whole requests off the prefill workers")
     up.add_argument("--drain-timeout", type=parse_seconds, default=300.0,
                     help="on Ctrl-C: how long each worker may take to finish its requests")
     add_model_args(up)

@@ -134,7 +134,8 @@ def up(args: argparse.Namespace) -> int:
         # engine each), balanced by the router as a split's decode pool is.
         workers += [("decode", [])] * args.colocated
     else:
-        workers += [("prefill", [])] * args.prefill
+        # The prefill workers' --itl-target binds only on whole requests the router lends them.
+        workers += [("prefill", ["--itl-target", str(args.itl_target)])] * args.prefill
         workers += [("decode", ["--on-prefill-failure", args.on_prefill_failure, "--prefill-timeout",
                                 str(args.prefill_timeout), "--local-prefill-threshold",
                                 str(args.local_prefill_threshold), "--prefill-placement",
@@ -187,6 +188,8 @@ def up(args: argparse.Namespace) -> int:
         if routed:
             router = ["serve", "--role", "router", "--host", host, "--port", str(args.port), *model, *common,
                       "--prefill-urls", ",".join(urls["prefill"]), "--decode-urls", ",".join(urls["decode"])]
+            if args.prefill_placement == "adaptive" and args.lend_idle_prefill:  # every core may decode
+                router.append("--lend-idle-prefill")
             children.append(Child("router", router, None, f"http://{host}:{args.port}", env))
             print(f"[up] router on http://{host}:{args.port} (pid {children[-1].p.pid})", flush=True)
         endpoint = f"http://{host}:{args.port}"

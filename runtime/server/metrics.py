@@ -62,8 +62,10 @@ class Metrics:
         self.waiting = gauge(n.WAITING, "Requests waiting to be scheduled")
         self.kv_usage = gauge(n.KV_USAGE, "Fraction of KV cache blocks in use (0-1)")
         self.prefill_queue = gauge(n.PREFILL_QUEUE_TOKENS, "Prompt tokens waiting to be prefilled")
-        self.held = self.held_wait = None
-        if phase == "router":  # the held queue (router.py) exists only there
+        self.held = self.held_wait = self.lent = None
+        if phase == "router":  # the held queue and lending (router.py) exist only there
+            self.lent = counter(n.LENT_REQUESTS, "Requests sent whole to an idle prefill worker")
+            self.child(self.lent)
             self.held = gauge(n.HELD, "Requests held for want of a worker (a phase at zero or not ready yet)")
             self.held_wait = hist(n.HELD_WAIT, "Time a held request waited for a worker", HELD_BUCKETS)
             self.child(self.held_wait)

@@ -1,10 +1,11 @@
 """The router: the OpenAI API in front of prefill and decode pools.
 
 It tokenizes, validates (the one check of this process), picks a decode worker and ranks prefill
-workers (the rules in routing.py), and relays the decode worker's stream. A request that finds no
-worker of a phase it needs (a phase scaled to zero, workers not ready yet) waits in the held
-queue (held.py) until one is up. Its TTFT/ITL
-histograms include queueing and KV transfer: the ones the autoscaler reads. It runs no model:
+workers (the rules in routing.py), and relays the decode worker's stream; with --lend-idle-prefill
+an idle prefill worker may serve a whole request instead (routing.lend_prefill). A request that
+finds no worker of a phase it needs (a phase scaled to zero, workers not ready yet) waits in the
+held queue (held.py) until one is up. Its TTFT/ITL histograms include queueing and KV transfer:
+the ones the autoscaler reads. It runs no model:
 it reads only the tokenizer and config (model/files.py) and never imports torch.
 """
 
@@ -35,7 +36,14 @@ from phasesplit.runtime.server.admission import Admission, Ticket
 from phasesplit.runtime.server.held import HeldQueue
 from phasesplit.runtime.server.metrics import Metrics
 from phasesplit.runtime.server.openai_api import build_openai_app, served_names
-from phasesplit.runtime.server.routing import Pool, Worker, missing_phase, pick_decode, rank_prefill
+from phasesplit.runtime.server.routing import (
+    Pool,
+    Worker,
+    lend_prefill,
+    missing_phase,
+    pick_decode,
+    rank_prefill,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +81,7 @@ class RemoteBackend:
         self.poll_client = httpx.AsyncClient(timeout=httpx.Timeout(2.0), limits=httpx.Limits(max_connections=32),
                                              headers=internal)
         self.poll_interval = 0.5
+        self.lend = args.lend_idle_prefill  # whole requests to idle prefill workers (routing.lend_prefill)
         self.polled = False  # a first round of polls has ended: `live()` means something
 
     def check_request(self, prompt_len: int, params: SamplingParams) -> None:
@@ -130,6 +139,7 @@ class RemoteBackend:
         w.running, w.waiting, w.waiting_tokens = s["running"], s["waiting"], s["waiting_tokens"]
         w.queued_tokens = s["queued_tokens"]
         w.revision = s.get("revision", "")
+        w.takes_requests = bool(s.get("takes_requests"))
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
                        ) -> AsyncIterator[RequestOutput]:
@@ -141,24 +151,39 @@ class RemoteBackend:
                                  prefill_revisions={w.revision for w in self.prefill.live()})
             if worker is None:  # missing_phase just found one; nothing ran in between
                 raise RuntimeError("no decode worker is available")
-            tried.add(worker.url)
+            lent = lend_prefill(self.prefill, worker, exclude=tried) if self.lend else None
+            target = lent or worker
+            tried.add(target.url)
+            started = False
             try:
-                async for out in self._generate_on(worker, request_id, prompt_ids, params, arrival):
+                async for out in self._generate_on(target, request_id, prompt_ids, params, arrival,
+                                                   whole=lent is not None):
+                    started = True
                     yield out
                 return
             except _Draining:
-                worker.up = False  # until a poll finds it ready again
-                log.info("decode worker %s is draining; trying another", worker.url)
+                target.up = False  # until a poll finds it ready again
+                log.info("worker %s is draining; trying another", target.url)
+            except (Overloaded, RuntimeError):
+                if lent is None or started:
+                    raise
+                # A lent prefill worker was only ever an extra: full or failed before its first
+                # output, the request goes to the decode pool as it would have.
 
     async def _generate_on(self, worker: Worker, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                           start: float) -> AsyncIterator[RequestOutput]:
-        prefill = rank_prefill(self.prefill, self.rng, prompt_ids, revision=worker.revision)
+                           start: float, whole: bool = False) -> AsyncIterator[RequestOutput]:
+        """Stream the request from `worker`: a decode worker, given the prefill workers to try, or
+        (`whole`) a prefill worker lent the whole request, which prefills its prompt itself."""
+        prefill = [] if whole else rank_prefill(self.prefill, self.rng, prompt_ids, revision=worker.revision)
         queued = prefill[0].queued_tokens if prefill else 0  # ahead of this prompt
-        if prefill:
-            prefill[0].waiting_tokens += len(prompt_ids)
-            prefill[0].queued_tokens += len(prompt_ids)
+        for w in prefill[:1] or ([worker] if whole else []):  # where this prompt will be prefilled
+            w.waiting_tokens += len(prompt_ids)
+            w.queued_tokens += len(prompt_ids)
+        if whole:
+            self.metrics.child(self.metrics.lent).inc()
         worker.inflight += 1
         m = self.metrics
+        role = "prefill worker" if whole else "decode worker"
         body = GenerateCall(request_id=request_id, prompt_ids=prompt_ids, params=params,
                             prefill_urls=[w.url for w in prefill], prefill_queued_tokens=queued
                             ).model_dump(mode="json")
@@ -171,11 +196,11 @@ class RemoteBackend:
                 if r.status_code in (400, 429):
                     err = json.loads(await r.aread()).get("error", {})
                     if r.status_code == 429:
-                        raise Overloaded(err.get("message", "the decode worker is at capacity"),
+                        raise Overloaded(err.get("message", f"the {role} is at capacity"),
                                          int(r.headers.get("retry-after", "1")))
                     raise RequestError(err.get("message", "bad request"), err.get("param"))
                 if r.status_code != 200:
-                    raise RuntimeError(f"decode worker {worker.url} answered HTTP {r.status_code}")
+                    raise RuntimeError(f"{role} {worker.url} answered HTTP {r.status_code}")
                 async for line in r.aiter_lines():
                     if not line:
                         continue
@@ -199,14 +224,14 @@ class RemoteBackend:
                         m.child(m.prompt_tokens).inc(out.prompt_tokens)
                         m.success.labels(**m.labels, finished_reason=out.finish_reason or "stop").inc()
                         return
-            raise RuntimeError(f"decode worker {worker.url} closed the stream before the request finished")
+            raise RuntimeError(f"{role} {worker.url} closed the stream before the request finished")
         except httpx.PoolTimeout:  # every connection to the workers is busy: the router is full
             raise Overloaded("the router has no free connection to a decode worker; retry later") from None
         except httpx.HTTPError as e:
             # Dead, or hung past the read timeout: routed around until the next successful poll.
-            log.warning("decode worker %s failed: %s", worker.url, str(e) or type(e).__name__)
+            log.warning("%s %s failed: %s", role, worker.url, str(e) or type(e).__name__)
             worker.up = False
-            raise RuntimeError(f"decode worker {worker.url} failed: {str(e) or type(e).__name__}") from None
+            raise RuntimeError(f"{role} {worker.url} failed: {str(e) or type(e).__name__}") from None
 
 
 class _Draining(Exception):

@@ -33,6 +33,7 @@ class Worker:
     inflight: int = 0  # requests this router sent since the last poll: keeps picks spread out
     last_seen: float = 0.0
     revision: str = ""  # the worker's --revision ("" where none was given: pairs with "" only)
+    takes_requests: bool = False  # a prefill worker that serves whole requests too (lend_prefill)
 
 
 @dataclass
@@ -98,6 +99,31 @@ def rank_prefill(pool: Pool, rng: random.Random, prompt: list[int] | None = None
     if best is None:
         best = rng.choice([w for w in live if w.queued_tokens == shortest])
     return [best] + sorted((w for w in live if w is not best), key=lambda w: w.queued_tokens)
+
+
+def load(w: Worker) -> int:
+    """Requests a worker carries or has queued, this router's picks since its last poll included."""
+    return w.running + w.waiting + w.inflight
+
+
+def lend_prefill(prefill: Pool, decode: Worker, exclude: set[str] | frozenset[str] = frozenset()) -> Worker | None:
+    """A prefill worker to serve a whole request (prefill and decode) instead of `decode`, or None.
+
+    On a fixed budget of cores a decode-heavy mix leaves the prefill pool idle while the decode
+    pool is the bottleneck (docs/benchmarks.md: split 1+1 served 0.17x colocated's goodput at
+    3 req/s of 64/128-token requests, two colocated replicas as much as colocated). So a prefill
+    worker with nothing to prefill (no prompt queued or part-way, this router's own picks since
+    the last poll included) takes the request when it carries fewer requests than the decode
+    worker picked for it; on a tie the decode worker keeps it, its steps carrying no prefill.
+    The lent request's streams keep the ITL target beside later remote prefills (the prefill
+    worker's engine cuts their chunks to it), and the prompt it adds counts as queued here, so
+    the next remote prefill goes elsewhere and the next lend waits for a poll that finds it idle.
+    """
+    idle = [w for w in prefill.live() if w.takes_requests and w.queued_tokens == 0 and w.url not in exclude]
+    if not idle:
+        return None
+    best = min(idle, key=load)
+    return best if load(best) < load(decode) else None
 
 
 def missing_phase(decode: Pool, prefill: Pool, need_prefill: bool,

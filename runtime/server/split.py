@@ -4,6 +4,8 @@ remote-prefill protocol in runtime/disagg (messages, the prefill half, the decod
 Internal endpoints (not for clients), bodies in disagg/messages.py:
 - decode  POST /internal/generate  GenerateCall -> NDJSON lines of RequestOutput
 - prefill POST /internal/prefill   PrefillCall  -> PrefillDone
+- prefill POST /internal/generate  GenerateCall -> NDJSON lines (a whole request the router lends
+  to an idle prefill worker; prefilled and decoded there)
 Each checks its request once (pydantic, then engine.check_request): the one validation of this
 process. Both need the internal secret (server/guards.py), and neither takes an address
 to connect to from a request body on trust: a prefill worker sends K/V only to the address of
@@ -24,7 +26,7 @@ import contextlib
 import json
 import logging
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -39,6 +41,7 @@ from phasesplit.runtime.kv import handshake
 from phasesplit.runtime.kv.receiver import KVReceiver
 from phasesplit.runtime.kv.sender import TransferFailed
 from phasesplit.runtime.request import Overloaded, RequestError, RequestOutput
+from phasesplit.runtime.server.admission import Ticket
 from phasesplit.runtime.server.async_engine import AsyncEngine
 from phasesplit.runtime.server.guards import Guards
 from phasesplit.runtime.server.openai_api import add_common_routes, install_error_handlers
@@ -52,6 +55,43 @@ KEEPALIVE_S = 2.0  # seconds between empty NDJSON lines while a request waits fo
 
 def output_line(out: RequestOutput) -> bytes:
     return (json.dumps(out.to_dict()) + "\n").encode()
+
+
+def stream_response(outputs: AsyncIterator[RequestOutput], on_end: Callable[[], None], ticket: Ticket
+                    ) -> StreamingResponse:
+    """/internal/generate's answer: a request's outputs as NDJSON lines, an empty line every
+    KEEPALIVE_S while it waits (queued is not hung: the router's per-chunk read timeout is for
+    workers that stop answering altogether), an error line if it fails. When the client leaves,
+    the request is aborted (the generator's close reaches the engine, which frees its blocks);
+    `on_end` then runs and the admission ticket goes back."""
+
+    async def lines() -> AsyncIterator[bytes]:
+        pending: asyncio.Future | None = None
+        try:
+            while True:
+                pending = asyncio.ensure_future(anext(outputs))
+                while not (await asyncio.wait({pending}, timeout=KEEPALIVE_S))[0]:
+                    yield b"\n"
+                try:
+                    out = pending.result()
+                except StopAsyncIteration:
+                    break
+                yield output_line(out)
+        except Exception as e:  # noqa: BLE001 - the router turns this into an error event
+            yield (json.dumps({"error": str(e)}) + "\n").encode()
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()  # the client left: the generator's abort runs
+                with contextlib.suppress(BaseException):
+                    await pending
+            on_end()
+            await outputs.aclose()
+            ticket.release()
+
+    body = lines()
+    # A stream cut before its first chunk never runs lines()'s finally: give the slot back then.
+    weakref.finalize(body, ticket.release)
+    return StreamingResponse(body, media_type="application/x-ndjson")
 
 
 def kv_layout(engine) -> str:
@@ -86,9 +126,33 @@ def build_prefill_app(args: argparse.Namespace) -> FastAPI:
     app.router.on_shutdown.append(aengine.shutdown)
     app.router.on_shutdown.append(connector.close)
 
+    admission = worker_admission(args, engine)
+
     @app.get("/internal/state")
     async def state() -> dict[str, Any]:
-        return {**engine.state(), "revision": args.revision, "kv_layout": layout}
+        # takes_requests: this worker serves whole requests too (/internal/generate, below); a
+        # router lends it one only where it says so (an older prefill worker has no such route).
+        return {**engine.state(), "revision": args.revision, "kv_layout": layout, "takes_requests": True}
+
+    @app.post("/internal/generate")
+    async def generate(call: GenerateCall):
+        """A whole request, prefilled and decoded here: the router lends an idle prefill worker's
+        core to decoding (server/routing.py, lend_prefill). Its streams keep --itl-target while
+        remote prefills share the steps (worker.engine_config)."""
+        if call.prefill_urls:  # the router never sends them here: a prefill worker calls no other
+            return JSONResponse(error_body("a prefill worker prefills the requests it serves itself",
+                                           param="prefill_urls"), status_code=400)
+        try:
+            engine.check_request(len(call.prompt_ids), call.params)
+        except RequestError as e:
+            return JSONResponse(error_body(str(e), param=e.param), status_code=400)
+        try:
+            ticket = admission.admit(len(call.prompt_ids), call.params.num_seqs)
+        except Overloaded as e:
+            return JSONResponse(error_body(str(e), "requests", code="rate_limit_exceeded"), status_code=429,
+                                headers={"Retry-After": str(e.retry_after)})
+        return stream_response(aengine.generate(call.request_id, call.prompt_ids, call.params),
+                               on_end=lambda: None, ticket=ticket)
 
     @app.post("/internal/prefill")
     async def prefill(call: PrefillCall, request: Request) -> JSONResponse:
@@ -170,37 +234,7 @@ def build_decode_app(args: argparse.Namespace) -> FastAPI:
         else:
             metrics.place(placement.LOCAL, placement.NO_PREFILL_WORKER)
 
-        async def lines() -> AsyncIterator[bytes]:
-            outputs = aengine.generate(call.request_id, call.prompt_ids, call.params, remote=bool(urls))
-            pending: asyncio.Future | None = None
-            try:
-                while True:
-                    pending = asyncio.ensure_future(anext(outputs))
-                    while not (await asyncio.wait({pending}, timeout=KEEPALIVE_S))[0]:
-                        # Queued is not hung: an empty line keeps the router's per-chunk read
-                        # timeout for workers that stop answering altogether.
-                        yield b"\n"
-                    try:
-                        out = pending.result()
-                    except StopAsyncIteration:
-                        break
-                    yield output_line(out)
-            except Exception as e:  # noqa: BLE001 - the router turns this into an error event
-                yield (json.dumps({"error": str(e)}) + "\n").encode()
-            finally:
-                if pending is not None and not pending.done():
-                    pending.cancel()  # the client left: the generator's abort runs
-                    with contextlib.suppress(BaseException):
-                        await pending
-                # The abort reaches the engine, which stops the transfer (connector.release) and
-                # frees the blocks, or leaves them to the connector while a frame lands in them.
-                connector.forget(call.request_id)
-                await outputs.aclose()
-                ticket.release()
-
-        body = lines()
-        # A stream cut before its first chunk never runs lines()'s finally: give the slot back then.
-        weakref.finalize(body, ticket.release)
-        return StreamingResponse(body, media_type="application/x-ndjson")
+        return stream_response(aengine.generate(call.request_id, call.prompt_ids, call.params, remote=bool(urls)),
+                               on_end=lambda: connector.forget(call.request_id), ticket=ticket)
 
     return app

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import httpx
 
+from phasesplit.runtime import metric_names as names
+
 BIN = Path(sys.executable).with_name("phasesplit")
 
 
@@ -83,6 +85,7 @@ def run_one(label: str, up_args: list[str], bench_args: list[str], out: Path, po
                 other.send_signal(signal.SIGINT)
                 other.wait(timeout=120)
         doc = json.loads(path.read_text())
+        doc["lent"] = lent_requests(url)
         print(f"[interference] {label}: done in {time.monotonic() - started:.0f} s", flush=True)
         if cut is not None:
             doc["cut_after_s"] = round(cut)
@@ -94,6 +97,16 @@ def run_one(label: str, up_args: list[str], bench_args: list[str], out: Path, po
         except subprocess.TimeoutExpired:
             os.killpg(up.pid, signal.SIGKILL)  # its workers get SIGTERM as their parent dies
             up.wait()
+
+
+def lent_requests(url: str) -> int:
+    """Requests the router sent whole to an idle prefill worker over the run (0 without a router)."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return 0
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(names.LENT_REQUESTS + "{")))
 
 
 def chat_stats(doc: dict) -> dict | None:

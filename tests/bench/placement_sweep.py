@@ -9,10 +9,15 @@ worker on the other that prefills a prompt itself when that finishes it sooner w
 systems alternate, each run driving every rate in turn with `phasesplit bench`, so noise from the
 shared machine falls on both; the repetitions show how large it is.
 
+Split lends idle prefill workers whole requests (`--lend-idle-prefill`, routing.lend_prefill);
+`--systems colocated,split,split-nolend` adds split without it to the same run.
+
 Printed per rate, system and repetition: completed requests/s, TTFT p50/p90, pooled ITL p90/p99,
 goodput under each --slo (the bench's own definition: TTFT and the request's mean ITL within
-the targets, per second of the run) and how many measured requests the decode worker prefilled
-itself (their server timing has no KV transfer). Then the median goodput ratio per rate.
+the targets, per second of the run) and how many measured requests were prefilled by the worker
+that decoded them (their server timing has no KV transfer: the decode worker's local prefills and
+the prefill worker's lent requests; the lent ones of each whole run are printed as it ends). Then
+the median goodput ratio per rate.
 """
 
 from __future__ import annotations
@@ -67,6 +72,9 @@ def main() -> None:
                          "tight=ttft=4s,itl=75ms: the usual SLO scaled to a 2-core CPU, where a "
                          "512-token prompt takes about a second on one core)")
     ap.add_argument("--port", type=int, default=8320)
+    ap.add_argument("--systems", default="colocated,split",
+                    help="comma-separated, in run order: colocated, split, split-nolend (split without "
+                         "lending idle prefill workers whole requests)")
     ap.add_argument("--out", type=Path, default=None, help="folder for the bench JSONs (default: a temporary one)")
     a = ap.parse_args()
     specs = a.slo or ["standard=ttft=8s,itl=150ms", "tight=ttft=4s,itl=75ms"]
@@ -76,8 +84,11 @@ def main() -> None:
         slos[name] = parse_slo(text)
     out = a.out or Path(tempfile.mkdtemp(prefix="phasesplit-placement-sweep-"))
     out.mkdir(parents=True, exist_ok=True)
-    systems = {"colocated": ["--colocated"],
-               "split": ["--pin-cpus", "--prefill-placement", "adaptive", "--itl-target", a.itl_target]}
+    split = ["--pin-cpus", "--prefill-placement", "adaptive", "--itl-target", a.itl_target]
+    known = {"colocated": ["--colocated"], "split": split, "split-nolend": [*split, "--no-lend-idle-prefill"]}
+    systems = {name: known[name] for name in a.systems.split(",")}
+    if not {"colocated", "split"} <= set(systems):
+        raise SystemExit("--systems must include colocated and split (the ratio printed is theirs)")
     shape = (WORKLOADS[a.workload] if a.workload else
              ["--input-len", str(a.input_len), "--output-len", str(a.output_len), "--range-ratio", "0"])
     bench = ["--tokenizer", "smollm2", *shape, "--request-rate", a.rates, "--num-prompts", str(a.num_prompts),
@@ -90,15 +101,18 @@ def main() -> None:
             doc = run_one(f"{name}_{rep}", up_args, bench, out, a.port)
             cond = f"{t0} UTC, load {before:.1f} -> {load1():.1f}"
             print(f"[placement_sweep] {name} rep {rep}: {cond}", flush=True)
-            table += [{"system": name, "rep": rep, "when": cond, **r} for r in rows_of(doc, slos)]
+            print(f"[placement_sweep] {name} rep {rep}: {doc.get('lent', 0)} requests lent to the prefill worker "
+                  "(the whole run, warm-up included)", flush=True)
+            table += [{"system": name, "rep": rep, "when": cond, "lent": doc.get("lent", 0), **r}
+                      for r in rows_of(doc, slos)]
     names = list(slos)
     print(f"\nSLOs: {'; '.join(specs)}; JSONs in {out}\n")
     print("| rate | system | rep | done | req/s | TTFT p50 ms | TTFT p90 ms | ITL p90 ms | ITL p99 ms | "
-          + " | ".join(f"goodput {n}" for n in names) + " | prefilled on the decode worker |")
+          + " | ".join(f"goodput {n}" for n in names) + " | prefilled where decoded |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in names)
           + " | ---: |")
     for r in sorted(table, key=lambda r: (r["rate"], r["rep"], r["system"])):
-        local = f"{r['local']} of {r['done']}" if r["system"] == "split" else "-"
+        local = f"{r['local']} of {r['done']}" if r["system"] != "colocated" else "-"
         print(f"| {r['rate']:g} | {r['system']} | {r['rep']} | {r['done']}/{r['sent']} | {r['req_s']:.2f} "
               f"| {r['ttft_p50'] * 1e3:.0f} | {r['ttft_p90'] * 1e3:.0f} | {r['itl_p90'] * 1e3:.0f} "
               f"| {r['itl_p99'] * 1e3:.0f} | " + " | ".join(f"{r[n]:.3f}" for n in names) + f" | {local} |")
@@ -109,7 +123,8 @@ def main() -> None:
             med = {s: statistics.median(r[n] for r in table if r["rate"] == rate and r["system"] == s)
                    for s in systems}
             ratio = f"{med['split'] / med['colocated']:.2f}x" if med["colocated"] else "colocated 0"
-            parts.append(f"{n} {med['split']:.3f} vs {med['colocated']:.3f} ({ratio})")
+            extra = "".join(f", {s} {med[s]:.3f}" for s in systems if s not in ("split", "colocated"))
+            parts.append(f"{n} {med['split']:.3f} vs {med['colocated']:.3f} ({ratio}{extra})")
         print(f"  {rate:g} req/s: " + "; ".join(parts))
 
 

@@ -152,6 +152,40 @@ def test_adaptive_placement_equals_colocated(colocated, logs, prompts):
             p.stop()
 
 
+def test_lent_requests_equal_colocated(colocated, logs, prompts):
+    """--lend-idle-prefill: the router sends whole requests to the prefill worker while it has
+    nothing to prefill and carries fewer requests than the decode worker. Those are prefilled and
+    decoded there, and every text is still colocated's, token for token."""
+    sixteen = (prompts * 2)[:16]
+    reference = texts(colocated.url, sixteen, 16)
+    prefill = serve("prefill", logs, *FP32)
+    decode = serve("decode", logs, *FP32, "--prefill-urls", prefill.url)
+    router = serve("router", logs, *FP32, "--prefill-urls", prefill.url, "--decode-urls", decode.url,
+                   "--lend-idle-prefill")
+    try:
+        for p in (prefill, decode, router):
+            p.wait_ready()
+        # Two waves: the router lends at most one prompt per poll that finds the prefill worker idle.
+        got = texts(router.url, sixteen[:8], 8) + texts(router.url, sixteen[8:], 8)
+        assert got == reference
+        lent = float(_sample(httpx.get(router.url + "/metrics").text, names.LENT_REQUESTS))
+        assert lent >= 1
+        # The lent ones never reached the decode worker: it saw the rest, all prefilled remotely.
+        m = httpx.get(decode.url + "/metrics").text
+        assert float(_sample(m, names.SUCCESS)) == len(sixteen) - lent
+        assert float(_sample(m, names.LOCAL_PREFILL)) == 0
+        # The prefill worker serves whole requests only as the router sends them: never with
+        # prefill workers of its own to call.
+        body = {"request_id": "x", "prompt_ids": prompts[0], "prefill_urls": [prefill.url]}
+        r = httpx.post(prefill.url + "/internal/generate", json=body, headers=INTERNAL, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prefill_urls"
+        for p in (prefill, decode):
+            assert wait_no_blocks(p.url)["allocated_blocks"] == 0
+    finally:
+        for p in (router, decode, prefill):
+            p.stop()
+
+
 def test_seeded_sampling_split_equals_colocated(split, colocated, prompts):
     """Non-greedy with a seed: the prefill worker samples the first token and the decode worker
     the rest, yet the text is the colocated one (and colocated stays reproducible)."""

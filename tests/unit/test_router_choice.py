@@ -2,7 +2,14 @@
 
 import random
 
-from phasesplit.runtime.server.routing import AFFINITY_SLACK_TOKENS, Pool, Worker, pick_decode, rank_prefill
+from phasesplit.runtime.server.routing import (
+    AFFINITY_SLACK_TOKENS,
+    Pool,
+    Worker,
+    lend_prefill,
+    pick_decode,
+    rank_prefill,
+)
 
 
 def pool(*workers: Worker) -> Pool:
@@ -155,3 +162,47 @@ def test_decode_workers_with_a_prefill_peer_of_their_revision_come_first():
     # No decode worker has a peer: any of them (it prefills locally) rather than none.
     assert pick_decode(p, prefill_revisions={"r9"}).url == "http://d-old"
     assert pick_decode(p, exclude={"http://d-new"}, prefill_revisions={"r2"}).url == "http://d-old"
+
+
+def test_lend_only_an_idle_prefill_worker_that_carries_less():
+    d = Worker("http://d", True, running=3)
+    busy = Worker("http://p1", True, takes_requests=True, queued_tokens=64)  # a prompt to prefill
+    idle = Worker("http://p2", True, takes_requests=True, running=1)
+    assert lend_prefill(pool(busy, idle), d) is idle
+    # Never a worker with prompt work, one that cannot serve whole requests, or one down or tried.
+    assert lend_prefill(pool(busy), d) is None
+    assert lend_prefill(pool(Worker("http://old", True, running=0)), d) is None
+    assert lend_prefill(pool(Worker("http://p3", False, takes_requests=True)), d) is None
+    assert lend_prefill(pool(idle), d, exclude={"http://p2"}) is None
+    # The decode worker keeps requests on a tie: its steps carry no prompts.
+    idle.running = 3
+    assert lend_prefill(pool(idle), d) is None
+    # Requests sent since the last poll and requests waiting count as load on both sides.
+    idle.running, d.inflight, d.waiting = 1, 0, 0
+    d.running = 1
+    assert lend_prefill(pool(idle), d) is None
+    d.waiting = 2
+    assert lend_prefill(pool(idle), d) is idle
+    idle.inflight = 2
+    assert lend_prefill(pool(idle), d) is None
+
+
+def test_lent_requests_balance_a_decode_heavy_stream():
+    """Requests arriving one per poll, each finishing after eight arrivals: with lending the
+    decode worker carries about half, and a prefill worker given a prompt is not lent another
+    until its prompt is done (the router counts the prompt as queued there)."""
+    d = Worker("http://d", True)
+    p = Worker("http://p", True, takes_requests=True)
+    pools = pool(p)
+    where: list[str] = []
+    for _ in range(40):
+        lent = lend_prefill(pools, d)
+        w = lent or d
+        w.running += 1
+        where.append(w.url)
+        if len(where) > 8:  # the request eight arrivals back finished
+            gone = d if where[-9] == d.url else p
+            gone.running -= 1
+    assert 15 <= where.count(p.url) <= 25 and abs(d.running - p.running) <= 1
+    p.queued_tokens = 64  # the router's own count after lending it a prompt, until the next poll
+    assert lend_prefill(pools, Worker("http://d2", True, running=50)) is None
