@@ -192,9 +192,6 @@ def container_args(owner: Owner, spec: api.InferenceServiceSpec, component: str)
         if spec.decode.prefill_placement == "Adaptive":
             # The decode pool's own ITL target bounds what a local prefill may add to a step.
             args += ["--prefill-placement=adaptive", f"--itl-target={_seconds(spec.slo.itl)}"]
-    if component == "prefill" and spec.decode.prefill_placement == "Adaptive":
-        # The router lends this worker whole requests when it is idle: their streams keep the SLO.
-        args.append(f"--itl-target={_seconds(spec.slo.itl)}")
     args.append(f"--drain-timeout={_seconds(spec.drain_timeout)}")
     if component == "router":
         args += ["--discovery=kubernetes", f"--namespace={owner.namespace}",

@@ -134,8 +134,7 @@ def up(args: argparse.Namespace) -> int:
         # engine each), balanced by the router as a split's decode pool is.
         workers += [("decode", [])] * args.colocated
     else:
-        # The prefill workers' --itl-target binds only on whole requests the router lends them.
-        workers += [("prefill", ["--itl-target", str(args.itl_target)])] * args.prefill
+        workers += [("prefill", [])] * args.prefill
         workers += [("decode", ["--on-prefill-failure", args.on_prefill_failure, "--prefill-timeout",
                                 str(args.prefill_timeout), "--local-prefill-threshold",
                                 str(args.local_prefill_threshold), "--prefill-placement",

@@ -115,9 +115,10 @@ def lend_prefill(prefill: Pool, decode: Worker, exclude: set[str] | frozenset[st
     worker with nothing to prefill (no prompt queued or part-way, this router's own picks since
     the last poll included) takes the request when it carries fewer requests than the decode
     worker picked for it; on a tie the decode worker keeps it, its steps carrying no prefill.
-    The lent request's streams keep the ITL target beside later remote prefills (the prefill
-    worker's engine cuts their chunks to it), and the prompt it adds counts as queued here, so
-    the next remote prefill goes elsewhere and the next lend waits for a poll that finds it idle.
+    A lent stream shares the prefill worker's steps with the remote prefills that arrive after it,
+    as a colocated engine's streams share theirs with prompts: that is the price, and why only an
+    idle worker is lent. The prompt it adds counts as queued there, so the next remote prefill
+    goes elsewhere and the next lend waits for a poll that finds it idle again.
     """
     idle = [w for w in prefill.live() if w.takes_requests and w.queued_tokens == 0 and w.url not in exclude]
     if not idle:

@@ -137,8 +137,8 @@ def build_prefill_app(args: argparse.Namespace) -> FastAPI:
     @app.post("/internal/generate")
     async def generate(call: GenerateCall):
         """A whole request, prefilled and decoded here: the router lends an idle prefill worker's
-        core to decoding (server/routing.py, lend_prefill). Its streams keep --itl-target while
-        remote prefills share the steps (worker.engine_config)."""
+        core to decoding (server/routing.py, lend_prefill). Remote prefills that arrive meanwhile
+        share its steps at full size, as a colocated engine's prompts do (worker.engine_config)."""
         if call.prefill_urls:  # the router never sends them here: a prefill worker calls no other
             return JSONResponse(error_body("a prefill worker prefills the requests it serves itself",
                                            param="prefill_urls"), status_code=400)

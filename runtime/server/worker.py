@@ -19,10 +19,10 @@ from phasesplit.runtime.server.openai_api import build_openai_app, served_names
 
 def engine_config(args: argparse.Namespace, phase: str = "both") -> EngineConfig:
     # A decode worker placing prompts adaptively keeps its ITL target in the steps that carry a
-    # local prefill too (placement.py counts on it). So does a prefill worker: the target binds
-    # only in steps with decode rows, which it has only while serving whole requests the router
-    # lent it (routing.lend_prefill); their streams then keep the target beside remote prefills.
-    adaptive = (phase == "decode" and args.prefill_placement == "adaptive") or phase == "prefill"
+    # local prefill too (placement.py counts on it). A prefill worker does not, though the router
+    # may lend it whole requests (routing.lend_prefill): cut to the target, its remote prefills
+    # ran at half speed beside one lent stream and queued for seconds (docs/benchmarks.md).
+    adaptive = phase == "decode" and args.prefill_placement == "adaptive"
     return EngineConfig(
         runner=RunnerConfig(device=args.device, dtype=args.dtype, block_size=args.block_size,
                             kv_cache_memory=args.kv_cache_memory, kv_cache_fraction=args.kv_cache_fraction,
