@@ -186,7 +186,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lend-idle-prefill", action="store_true",
                    help="router: send a whole request (prefill and decode) to a prefill worker with nothing to "
                         "prefill when it carries fewer requests than the best decode worker, so a decode-heavy "
-                        "mix decodes on every core (the prefill worker keeps --itl-target for those streams)")
+                        "mix decodes on every core (those streams share the prefill worker's steps with its "
+                        "remote prefills, as colocated streams do)")
     g.add_argument("--worker-read-timeout", type=parse_seconds, default=30.0,
                    help="router: seconds a decode worker may stay silent mid-request (it sends a keepalive "
                         "line every 2 s while a request waits) before the request fails and the worker is "

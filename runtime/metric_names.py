@@ -37,8 +37,8 @@ KV_USAGE = PREFIX + "kv_cache_usage_perc"
 PREFILL_QUEUE_TOKENS = PREFIX + "prefill_queue_tokens"
 
 # The router's held queue (requests that found no worker of a phase they need: a phase at zero,
-# or none ready yet) and its lending. Only the router exports these (phase="router"); the operator's planner
-# reads the count as demand that wakes phases scaled to zero.
+# or none ready yet) and its lending. Only the router exports these (phase="router"); the
+# operator's planner reads the held count as demand that wakes phases scaled to zero.
 HELD = PREFIX + "num_requests_held"  # gauge
 HELD_WAIT = PREFIX + "request_held_seconds"  # histogram: how long each held request waited
 # Requests the router sent whole to an idle prefill worker (--lend-idle-prefill, routing.lend_prefill)

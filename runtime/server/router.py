@@ -5,8 +5,8 @@ workers (the rules in routing.py), and relays the decode worker's stream; with -
 an idle prefill worker may serve a whole request instead (routing.lend_prefill). A request that
 finds no worker of a phase it needs (a phase scaled to zero, workers not ready yet) waits in the
 held queue (held.py) until one is up. Its TTFT/ITL histograms include queueing and KV transfer:
-the ones the autoscaler reads. It runs no model:
-it reads only the tokenizer and config (model/files.py) and never imports torch.
+the ones the autoscaler reads. It runs no model: it reads only the tokenizer and config
+(model/files.py) and never imports torch.
 """
 
 from __future__ import annotations

@@ -66,7 +66,8 @@ def test_internal_routes_need_the_secret(stack, prompts):
     prefill, decode, router = stack
     routes = [("POST", prefill.url + "/internal/prefill"), ("GET", prefill.url + "/internal/state"),
               ("POST", decode.url + "/internal/generate"), ("GET", decode.url + "/internal/state"),
-              ("GET", router.url + "/internal/workers")]
+              ("GET", router.url + "/internal/workers"),
+              ("POST", prefill.url + "/internal/generate")]  # the whole requests a router lends it
     body = {"request_id": "x", "prompt_ids": prompts[0], "kv_host": "127.0.0.1", "kv_port": 1, "transfer_id": 1}
     refused = 0
     for method, url in routes:
