@@ -117,8 +117,8 @@ def lend_prefill(prefill: Pool, decode: Worker, exclude: set[str] | frozenset[st
     worker picked for it; on a tie the decode worker keeps it, its steps carrying no prefill.
     A lent stream shares the prefill worker's steps with the remote prefills that arrive after it,
     as a colocated engine's streams share theirs with prompts: that is the price, and why only an
-    idle worker is lent. The prompt it adds counts as queued there, so the next remote prefill
-    goes elsewhere and the next lend waits for a poll that finds it idle again.
+    idle worker is lent. The prompt it adds counts as queued there, so remote prefills rank it
+    behind idler workers and the next lend waits for a poll that finds it idle again.
     """
     idle = [w for w in prefill.live() if w.takes_requests and w.queued_tokens == 0 and w.url not in exclude]
     if not idle:
