@@ -176,13 +176,14 @@ class RemoteBackend:
         (`whole`) a prefill worker lent the whole request, which prefills its prompt itself."""
         prefill = [] if whole else rank_prefill(self.prefill, self.rng, prompt_ids, revision=worker.revision)
         queued = prefill[0].queued_tokens if prefill else 0  # ahead of this prompt
-        for w in prefill[:1] or ([worker] if whole else []):  # where this prompt will be prefilled
-            w.waiting_tokens += len(prompt_ids)
-            w.queued_tokens += len(prompt_ids)
-        if whole:
-            self.metrics.child(self.metrics.lent).inc()
+        home = worker if whole else next(iter(prefill), None)  # where this prompt will be prefilled
+        if home is not None:
+            home.waiting_tokens += len(prompt_ids)
+            home.queued_tokens += len(prompt_ids)
         worker.inflight += 1
         m = self.metrics
+        if whole:
+            m.child(m.lent).inc()
         role = "prefill worker" if whole else "decode worker"
         body = GenerateCall(request_id=request_id, prompt_ids=prompt_ids, params=params,
                             prefill_urls=[w.url for w in prefill], prefill_queued_tokens=queued

@@ -41,7 +41,7 @@ from phasesplit.runtime.kv import handshake
 from phasesplit.runtime.kv.receiver import KVReceiver
 from phasesplit.runtime.kv.sender import TransferFailed
 from phasesplit.runtime.request import Overloaded, RequestError, RequestOutput
-from phasesplit.runtime.server.admission import Ticket
+from phasesplit.runtime.server.admission import Admission, Ticket
 from phasesplit.runtime.server.async_engine import AsyncEngine
 from phasesplit.runtime.server.guards import Guards
 from phasesplit.runtime.server.openai_api import add_common_routes, install_error_handlers
@@ -94,6 +94,20 @@ def stream_response(outputs: AsyncIterator[RequestOutput], on_end: Callable[[], 
     return StreamingResponse(body, media_type="application/x-ndjson")
 
 
+def admit_call(engine, admission: Admission, call: GenerateCall) -> Ticket | JSONResponse:
+    """Check a GenerateCall (the one validation of this process) and take its admission slot:
+    the ticket, or the 400 / 429 answer to send instead (the router relays either to its client)."""
+    try:
+        engine.check_request(len(call.prompt_ids), call.params)
+    except RequestError as e:
+        return JSONResponse(error_body(str(e), param=e.param), status_code=400)
+    try:
+        return admission.admit(len(call.prompt_ids), call.params.num_seqs)
+    except Overloaded as e:
+        return JSONResponse(error_body(str(e), "requests", code="rate_limit_exceeded"), status_code=429,
+                            headers={"Retry-After": str(e.retry_after)})
+
+
 def kv_layout(engine) -> str:
     """This worker's K/V layout fingerprint: the model, dtype, block size and cache geometry."""
     r, c = engine.runner, engine.runner.cfg
@@ -142,15 +156,9 @@ def build_prefill_app(args: argparse.Namespace) -> FastAPI:
         if call.prefill_urls:  # the router never sends them here: a prefill worker calls no other
             return JSONResponse(error_body("a prefill worker prefills the requests it serves itself",
                                            param="prefill_urls"), status_code=400)
-        try:
-            engine.check_request(len(call.prompt_ids), call.params)
-        except RequestError as e:
-            return JSONResponse(error_body(str(e), param=e.param), status_code=400)
-        try:
-            ticket = admission.admit(len(call.prompt_ids), call.params.num_seqs)
-        except Overloaded as e:
-            return JSONResponse(error_body(str(e), "requests", code="rate_limit_exceeded"), status_code=429,
-                                headers={"Retry-After": str(e.retry_after)})
+        ticket = admit_call(engine, admission, call)
+        if isinstance(ticket, JSONResponse):
+            return ticket
         return stream_response(aengine.generate(call.request_id, call.prompt_ids, call.params),
                                on_end=lambda: None, ticket=ticket)
 
@@ -218,17 +226,12 @@ def build_decode_app(args: argparse.Namespace) -> FastAPI:
 
     @app.post("/internal/generate")
     async def generate(call: GenerateCall, request: Request):
-        try:
-            engine.check_request(len(call.prompt_ids), call.params)
-        except RequestError as e:
-            return JSONResponse(error_body(str(e), param=e.param), status_code=400)
-        # The router's ranking, restricted to prefill workers this worker knows.
+        # The router's ranking, restricted to prefill workers this worker knows. Before the slot
+        # is taken: nothing between admission and the stream may wait.
         urls = await known.filter(call.prefill_urls) or list(args.prefill_urls)
-        try:
-            ticket = admission.admit(len(call.prompt_ids), call.params.num_seqs)
-        except Overloaded as e:  # the router relays it to its client as a 429
-            return JSONResponse(error_body(str(e), "requests", code="rate_limit_exceeded"), status_code=429,
-                                headers={"Retry-After": str(e.retry_after)})
+        ticket = admit_call(engine, admission, call)
+        if isinstance(ticket, JSONResponse):
+            return ticket
         if urls:
             connector.route(call.request_id, urls, call.prefill_queued_tokens)
         else:

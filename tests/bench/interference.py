@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from phasesplit.runtime import metric_names as names
 
@@ -105,8 +106,8 @@ def lent_requests(url: str) -> int:
         text = httpx.get(url + "/metrics", timeout=5).text
     except httpx.HTTPError:
         return 0
-    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(names.LENT_REQUESTS + "{")))
+    return int(sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                   if s.name == names.LENT_REQUESTS))
 
 
 def chat_stats(doc: dict) -> dict | None:
