@@ -165,8 +165,15 @@ def test_lent_requests_equal_colocated(colocated, logs, prompts):
     try:
         for p in (prefill, decode, router):
             p.wait_ready()
-        # Two waves: the router lends at most one prompt per poll that finds the prefill worker idle.
-        got = texts(router.url, sixteen[:8], 8) + texts(router.url, sixteen[8:], 8)
+        # Staggered past the router's 0.5 s poll: it lends at most one prompt per poll that finds
+        # the prefill worker idle while the decode worker is busy, and requests sent all at once
+        # fall within one poll (under a loaded CI none was lent that way).
+        def staggered(i: int) -> str:
+            time.sleep(0.7 * i)
+            return complete(router.url, sixteen[i])["choices"][0]["text"]
+
+        with ThreadPoolExecutor(16) as pool:
+            got = list(pool.map(staggered, range(len(sixteen))))
         assert got == reference
         lent = float(_sample(httpx.get(router.url + "/metrics").text, names.LENT_REQUESTS))
         assert lent >= 1
