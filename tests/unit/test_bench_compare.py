@@ -70,3 +70,33 @@ def test_each_point_sends_its_own_prompts_and_systems_share_them():
     system = compare.systems(8000)["split"]
     cmd = compare.bench_command(system, "http://x", "mixed", 0.375, 8, Path("o.json"), rep=2)
     assert cmd[cmd.index("--seed") + 1] == str(compare.point_seed("mixed", 0.375, 2))
+
+
+def test_slos_per_workload_replace_the_defaults_and_reach_the_bench():
+    default = compare.workload_slos(None)
+    assert all(v == compare.SLOS for v in default.values())
+    slos = compare.workload_slos(["standard=ttft=8s,itl=150ms", "tight=ttft=4s,itl=75ms",
+                                  "decode-heavy:standard=ttft=2s,itl=100ms"])
+    assert slos["mixed"] == {"standard": "ttft=8s,itl=150ms", "tight": "ttft=4s,itl=75ms"}
+    assert slos["decode-heavy"] == {"standard": "ttft=2s,itl=100ms"}  # a workload's own replace the rest
+    assert compare.first_slo(slos["mixed"]) == "ttft=8s,itl=150ms"
+    cmd = compare.bench_command(compare.systems(8000)["split"], "http://x", "mixed", 0.5, 8, Path("o.json"),
+                                slo=compare.first_slo(slos["mixed"]))
+    assert cmd[cmd.index("--slo") + 1] == "ttft=8s,itl=150ms"
+    for bad in ("standard", "nope:standard=ttft=1s", "standard=ttft=8q", "=ttft=1s"):
+        try:
+            compare.workload_slos([bad])
+        except ValueError as e:
+            assert "--slo" in str(e) or "bad SLO" in str(e)
+        else:
+            raise AssertionError(f"{bad!r} was accepted")
+
+
+def test_the_slo_flags_give_the_same_slos_back():
+    assert compare.slo_flags(compare.workload_slos(None)) == []
+    given = ["standard=ttft=8s,itl=150ms", "tight ITL=ttft=4s,itl=75ms",
+             "decode-heavy:standard=ttft=2s,itl=100ms", "decode-heavy:tight ITL=ttft=2s,itl=50ms"]
+    slos = compare.workload_slos(given)
+    flags = compare.slo_flags(slos)
+    assert flags[1::2] == given
+    assert compare.workload_slos(flags[1::2]) == slos
