@@ -100,3 +100,20 @@ def test_the_slo_flags_give_the_same_slos_back():
     flags = compare.slo_flags(slos)
     assert flags[1::2] == given
     assert compare.workload_slos(flags[1::2]) == slos
+
+
+def test_the_sweep_reads_goodput_as_the_offered_rate_met_not_the_runs_length(tmp_path):
+    """Two runs of one rate, every request within the SLO, one twice as long (a late Poisson
+    arrival): the same goodput for the sweep, so a short run cannot end it below the knee."""
+    import json
+
+    def point(name: str, duration: float, attained: float) -> Path:
+        summary = {"requests": 10, "slo_attainment": attained, "goodput": 10 * attained / duration}
+        path = tmp_path / name
+        path.write_text(json.dumps({"runs": [{"planned": 10, "summary": summary}], "error": None}))
+        return path
+
+    short, long_ = (compare._point_result(point(n, d, 1.0), 0.5, 0) for n, d in (("a", 15.0), ("b", 30.0)))
+    assert short.goodput == long_.goodput == 0.5 and short.attainment == 1.0
+    assert compare._point_result(point("c", 20.0, 0.4), 0.5, 0).goodput == 0.2
+    assert compare._point_result(tmp_path / "missing", 0.5, 1).cut
