@@ -4,6 +4,7 @@ Retry-After), and leaves the queue when its client goes away."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -70,6 +71,18 @@ def send_in_thread(url: str, body: dict, out: dict, timeout: float = 600.0) -> t
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t
+
+
+def test_the_router_exports_its_own_metrics(logs):
+    """The router-only names (held queue, lending) are on the router's /metrics from the start,
+    labelled phase="router", before any request: dashboards and the planner find them at zero."""
+    router, _, _ = router_without_workers(logs)
+    try:
+        text = httpx.get(router.url + "/metrics", timeout=5).text
+        for name in [*names.ROUTER_GAUGES, *(h + "_bucket" for h in names.ROUTER_HISTOGRAMS), *names.ROUTER_COUNTERS]:
+            assert re.search(rf'^{name}{{.*model="{MODEL}".*phase="router"', text, re.M), name
+    finally:
+        router.stop()
 
 
 def test_request_held_until_the_workers_come_up(logs):

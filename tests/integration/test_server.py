@@ -139,6 +139,9 @@ def test_metrics_names(server):
     # Every name the operator may read is exported, histograms with their buckets.
     for name in [*(h + "_bucket" for h in names.HISTOGRAMS), *names.COUNTERS, *names.GAUGES]:
         assert re.search(rf'^{name}{{.*model="{MODEL}".*phase="both"', text, re.M), name
+    # The router's own (held queue, lending) are not a worker's: a sum over phases counts them once.
+    for name in [*names.ROUTER_GAUGES, *names.ROUTER_HISTOGRAMS, *names.ROUTER_COUNTERS]:
+        assert not re.search(rf"^{name}", text, re.M), name
 
 
 def test_last_chunk_reports_where_time_went(server):
