@@ -56,6 +56,17 @@ def seconds_or_zero(text: str) -> float:
     return parse_seconds(text, allow_zero=True)
 
 
+def cpu_list(text: str) -> tuple[int, ...]:
+    """'1', '0,2' or '2-3' (taskset's list form) -> sorted CPU numbers."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()) or (dash and int(hi) < int(lo)):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a CPU list (e.g. 1, 0,2 or 2-3)")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return tuple(sorted(cpus))
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -127,6 +138,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_model_args(p)
+    p.add_argument("--borrow-idle-cpus", type=cpu_list, default=(), metavar="CPUS",
+                   help="CPUs other workers own (e.g. 1 or 2-3): with --threads 1, this worker shares its "
+                        "matmuls with an idle-priority helper on each, which runs only while that CPU would idle "
+                        "(phasesplit up --pin-cpus gives each worker the others')")
     g = p.add_argument_group("phase split")
     g.add_argument("--kv-port", type=int, default=0,
                    help="decode worker: TCP port that receives KV blocks (0: a free port)")
@@ -210,7 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="colocated workers instead of a split: one 'both' worker (N=1, the default), or N "
                          "replicas behind the router, each prefilling its own requests (with --pin-cpus, "
                          "each on its share of the cores)")
-    up.add_argument("--pin-cpus", action="store_true", help="pin each worker to its own CPU cores")
+    up.add_argument("--pin-cpus", action="store_true",
+                    help="pin each worker to its own CPU cores; a worker of one core also borrows the others' "
+                         "while they idle (--borrow-idle-cpus)")
+    up.add_argument("--no-borrow-idle-cpus", dest="borrow_idle_cpus", action="store_false",
+                    help="with --pin-cpus: each worker computes on its own cores only (for A/B runs)")
     up.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     up.add_argument("--on-prefill-failure", choices=FAILURE_POLICIES, default="retry-local")
     up.add_argument("--prefill-timeout", type=parse_seconds, default=30.0)

@@ -180,6 +180,9 @@ def up(args: argparse.Namespace) -> int:
                 argv += ["--prefill-urls", ",".join(urls["prefill"])]
             if cpus:  # --threads is per tensor-parallel rank; the ranks share the worker's cores
                 argv += ["--threads", str(max(1, len(cpus) // args.tensor_parallel_size))]
+                others = sorted(set().union(*(s for s in cpu_sets if s)) - cpus)
+                if args.borrow_idle_cpus and others:  # the other workers' cores, while they idle
+                    argv += ["--borrow-idle-cpus", ",".join(map(str, others))]
             children.append(Child(role, argv, cpus, url, env))
             urls[role].append(url)
             print(f"[up] {role} worker on {url} (pid {children[-1].p.pid})"

@@ -64,6 +64,9 @@ class RunnerConfig:
     threads: int | None = None  # per tensor-parallel rank; None: the allowed CPUs / ranks
     tensor_parallel_size: int = 1
     quantization: str = "none"  # none: dequantize at load; auto/q8_0/q4_0/q4_1: GGUF blocks (quantized.py)
+    # CPUs of other workers on this machine whose idle time this one-thread worker may use: one
+    # idle-priority helper each for its matmuls, prefill included (_start_decode_helpers).
+    borrow_cpus: tuple[int, ...] = ()
 
 
 @dataclass
@@ -164,6 +167,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         tp = rc.tensor_parallel_size
         self.rank, self.tp_size = rank, tp
+        self.borrow_cpus = tuple(rc.borrow_cpus)
         threads = rc.threads or cpu_threads()
         if threads and not rc.threads and tp > 1:  # the ranks share the allowed CPUs
             threads = max(1, threads // tp)
@@ -294,7 +298,11 @@ class ModelRunner:
         =small keeps the helpers to the steps of a few sequences on the native bf16 path too (the
         rule before they took whole one-call steps: an A/B switch for benchmarks).
         Returns how many helpers run."""
-        if not (self.small_step_threads and shareable_weights) or self._helpers_mode == "0":
+        if self._helpers_mode == "0" or not shareable_weights:
+            return 0
+        if self.borrow_cpus and self.threads == 1 and self.tp_size == 1 and self.device.type == "cpu":
+            return self._borrow_helpers()
+        if not self.small_step_threads:
             return 0
         from phasesplit.runtime.kernels import build, cpu_gemm_avx2
 
@@ -311,6 +319,30 @@ class ModelRunner:
         log.info("decode steps of up to %d sequences: matmuls shared by this thread and %d helper thread(s)",
                  self._one_thread_limit(n), n)
         return n
+
+    def _borrow_helpers(self) -> int:
+        """A worker pinned to one CPU (`phasesplit up --pin-cpus`) shares its matmuls, prefill
+        chunks included, with idle-priority helpers on the other workers' CPUs: a lone prompt is
+        prefilled on both cores while the decode worker idles, as colocated's would be, and
+        decode steps stream the weights on both while the prefill worker idles; whichever
+        worker owns a CPU preempts the helper there at once."""
+        from phasesplit.runtime.kernels import build, cpu_gemm_avx2
+
+        lib = build.bf16w_library()
+        if lib is None:
+            return 0
+        cpus = list(self.borrow_cpus)
+        try:
+            placed = cpu_gemm_avx2.borrow_helpers(lib, cpus, max_rows=1 << 20)
+        except build.KernelUnavailable as e:
+            log.warning("idle CPUs %s not borrowed: %s", cpus, e)
+            return 0
+        if placed < len(cpus):
+            log.warning("idle-priority helpers: %d of CPUs %s could be pinned (the others run unpinned)",
+                        placed, cpus)
+        log.info("matmuls shared with %d idle-priority helper(s) on CPUs %s (other workers' when idle)",
+                 len(cpus), cpus)
+        return len(cpus)
 
     def _one_thread_limit(self, helpers: int) -> int:
         """The most decode rows a step runs on one thread (plus `helpers` decode helpers)."""

@@ -34,6 +34,8 @@ def declare(lib: ctypes.CDLL) -> None:
     shared.restype = ctypes.c_int
     lib.ps_helpers_start.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
     lib.ps_helpers_start.restype = ctypes.c_int
+    lib.ps_helpers_borrow.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long]
+    lib.ps_helpers_borrow.restype = ctypes.c_int
     lib.ps_helpers_use.argtypes = [ctypes.c_int]
     lib.ps_helpers_use.restype = ctypes.c_int
     lib.ps_helpers_count.restype = ctypes.c_int
@@ -145,6 +147,23 @@ def start_helpers(lib: ctypes.CDLL, n: int, pin: bool = False, spin_us: int = -1
     return got
 
 
+def borrow_helpers(lib: ctypes.CDLL, cpus: list[int], max_rows: int) -> int:
+    """Start one helper per CPU of `cpus` (CPUs another worker owns), pinned there at idle
+    priority (decode_helpers.c ps_helpers_borrow): it computes only while that CPU would idle.
+    Calls of up to `max_rows` rows are shared, prefill chunks included. Checked bit for bit as
+    start_helpers is. Returns how many helpers were pinned (the rest run unpinned, at idle
+    priority all the same); at most one pool per process."""
+    arr = (ctypes.c_int * len(cpus))(*cpus)
+    placed = lib.ps_helpers_borrow(arr, len(cpus), max_rows)
+    lib.ps_helpers_use(1)
+    try:
+        check_shared(lib)
+    except KernelUnavailable:
+        lib.ps_helpers_use(0)
+        raise
+    return placed
+
+
 def use_helpers(lib: ctypes.CDLL, on: bool) -> bool:
     """Whether shared calls use the helpers (False: the caller alone; the threads stay, asleep);
     returns the previous setting."""
@@ -163,11 +182,12 @@ def helper_stats(lib: ctypes.CDLL) -> tuple[int, int, float]:
 def check_shared(lib: ctypes.CDLL, rounds: int = 20) -> None:
     """The shared matmuls against the one-thread kernels, bit for bit: column tails, 1-3 rows, a
     residual, SwiGLU, each GGUF block type, and the AVX512-BF16 kernel where this CPU has it (bf16
-    and fp32 outputs); repeated so that the helpers take part in some calls."""
+    and fp32 outputs); repeated so that the helpers take part in some calls. 100 rows are shared
+    only with helpers on borrowed CPUs (borrow_helpers: prefill chunks too)."""
     g = torch.Generator().manual_seed(1)
     for m, n, k, with_res, act in ((1, 1000, 64, True, NONE), (2, 97, 130, False, NONE),
                                    (3, 576, 96, True, NONE), (1, 384, 66, True, SWIGLU), (2, 1024, 34, False, SWIGLU),
-                                   (40, 96, 64, True, NONE)):
+                                   (40, 96, 64, True, NONE), (100, 192, 66, True, SWIGLU)):  # 100: prefill rows
         w = torch.randn(n, k, generator=g)
         x = torch.randn(m, k, generator=g)
         cols = n // 2 if act == SWIGLU else n

@@ -69,8 +69,10 @@ int ps_decode_attention_f32(const float *q, long q_row, const float *k_cache, co
 /* Most chunks one claim takes: what a caller recomputes when it takes back a descheduled
    helper's claim (8 chunks of 32 columns of K = 576: ~300 KB, ~25 us of streaming). */
 #define MAX_SPAN 8
-/* Rows a shared call takes (decode batches: the one-call step's limit, cpu_decode_step.MAX_ROWS);
-   more rows go to the one-thread kernel. */
+/* Rows a shared call takes by default (decode batches: the one-call step's limit,
+   cpu_decode_step.MAX_ROWS); more rows go to the one-thread kernel, since a process with helpers of
+   its own runs such calls (prefill) on its OpenMP threads. Helpers on borrowed CPUs
+   (ps_helpers_borrow) take prefill chunks too: pool.max_rows. */
 #define MAX_ROWS 64
 
 /* Chunk states: generation << 32 | helper << 8 | state. */
@@ -127,6 +129,7 @@ typedef struct {
     char pad3[60];
     uint64_t state[MAX_CHUNKS];
     int helpers, use, pinned, caller_cpu, busy;
+    long max_rows; /* rows a shared call takes (MAX_ROWS, or more with borrowed CPUs) */
     pthread_t threads[MAX_HELPERS];
     long helped, taken, waited_ns; /* chunks the caller copied from helpers, took back; its wait */
     long spin_ns, steal_ns;
@@ -135,7 +138,7 @@ typedef struct {
     long xcap, rcap, scap, qcap, dcap, tcap, acap;
 } pool_t;
 
-static pool_t pool = {.spin_ns = 200000, .steal_ns = 50000, .caller_cpu = -1};
+static pool_t pool = {.spin_ns = 200000, .steal_ns = 50000, .caller_cpu = -1, .max_rows = MAX_ROWS};
 static pthread_mutex_t start_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static inline long now_ns(void) {
@@ -198,7 +201,7 @@ static void help(int h, uint32_t g) {
     job_t j;
     memcpy(&j, (const void *)&pool.job, sizeof j); /* valid if a claim of g succeeds (see claim's caller) */
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
-    if (j.chunks > MAX_CHUNKS || j.M < 1 || j.M > MAX_ROWS || j.parts < 2 || j.cols < 1 || j.elem < 1) return;
+    if (j.chunks > MAX_CHUNKS || j.M < 1 || j.M > pool.max_rows || j.parts < 2 || j.cols < 1 || j.elem < 1) return;
     char *mine = j.scratch + (long)h * j.M * j.cols * j.elem;
     for (;;) {
         /* A successful claim of g means the caller had not finished g, so the job read above
@@ -304,6 +307,29 @@ int ps_helpers_start(int n, int pinned, long spin_us, long steal_us) {
     return got;
 }
 
+/* Helpers on CPUs this process does not own (another worker's, pinned there by `phasesplit up`):
+   one helper per CPU of cpus[0..n), pinned to it and run at SCHED_IDLE, so it computes only while
+   that CPU has nothing else to run, and the worker that owns it preempts it at once (a helper
+   preempted holding a claim costs the caller the steal wait, then the caller computes it). Shared
+   calls of up to max_rows rows use them: prefill chunks too. Returns how many helpers are placed
+   (fewer than n where the kernel refuses a CPU, e.g. outside the cgroup's cpuset; those are
+   pinned nowhere and still idle-priority). Call once, before any shared call, instead of
+   ps_helpers_start. */
+int ps_helpers_borrow(const int *cpus, int n, long max_rows) {
+    const int got = ps_helpers_start(n, 0, -1, -1);
+    int placed = 0;
+    const struct sched_param idle = {.sched_priority = 0};
+    for (int h = 0; h < got && h < n; h++) {
+        pthread_setschedparam(pool.threads[h], SCHED_IDLE, &idle);
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(cpus[h], &one);
+        if (pthread_setaffinity_np(pool.threads[h], sizeof one, &one) == 0) placed++;
+    }
+    if (max_rows > pool.max_rows) pool.max_rows = max_rows;
+    return placed;
+}
+
 /* Whether shared calls use the helpers (on: 1) or run on the caller alone (0); returns the
    previous setting. Call between matmuls, from the thread that makes them. */
 int ps_helpers_use(int on) {
@@ -336,6 +362,14 @@ static float *grow(float **buf, long *cap, long n) {
 
 static int run_job(job_t job, const void *x, const void *res, void *y, int helpers);
 
+/* Whether a call of M rows of `bytes` output each is shared: within max_rows, and its helpers'
+   scratch within SCRATCH_MAX (a prefill with prompt logprobs runs the head over every row: a
+   vocabulary-wide scratch per helper, kept for the process's lifetime, is not worth one call). */
+#define SCRATCH_MAX (64L << 20)
+static int shareable(long M, long bytes, int helpers) {
+    return helpers > 0 && M > 0 && M <= pool.max_rows && (M <= MAX_ROWS || helpers * M * bytes <= SCRATCH_MAX);
+}
+
 /* As ps_gemm_bf16w_f32 with one thread, the output blocks shared with the helpers (see above).
    The same bits as the one-thread kernel. */
 int ps_gemm_bf16w_f32_shared(const float *x, const uint16_t *wp, const float *res, float *y, long M, long N, long K,
@@ -343,7 +377,7 @@ int ps_gemm_bf16w_f32_shared(const float *x, const uint16_t *wp, const float *re
     if (K % 2 || K < 2 || M < 0 || N < 1 || (act && N % 32)) return -1;
     const int helpers = pool.use ? pool.helpers : 0;
     const long tiles = (N + 15) / 16, blocks = (tiles + 1) / 2, cols = act ? N / 2 : N;
-    if (helpers == 0 || M == 0 || M > MAX_ROWS || blocks < 2) return ps_gemm_bf16w_f32(x, wp, res, y, M, N, K, 1, act);
+    if (!shareable(M, cols * 4, helpers) || blocks < 2) return ps_gemm_bf16w_f32(x, wp, res, y, M, N, K, 1, act);
     /* One job at a time: a second thread calling meanwhile computes alone. */
     if (__atomic_exchange_n(&pool.busy, 1, __ATOMIC_ACQUIRE)) return ps_gemm_bf16w_f32(x, wp, res, y, M, N, K, 1, act);
     float *xb = grow(&pool.xbuf, &pool.xcap, M * K);
@@ -372,7 +406,7 @@ int ps_qgemm_shared(const float *x, const uint8_t *w, const float *res, float *y
     if (!ps_q_args_ok(M, N, K, row_bytes, type)) return -1;
     const int helpers = pool.use ? pool.helpers : 0;
     const long tiles = (N + 15) / 16, nb = K / 32;
-    if (helpers == 0 || M > MAX_ROWS || tiles < 2) return ps_qgemm(x, w, res, y, M, N, K, row_bytes, type, 1);
+    if (!shareable(M, N * 4, helpers) || tiles < 2) return ps_qgemm(x, w, res, y, M, N, K, row_bytes, type, 1);
     if (__atomic_exchange_n(&pool.busy, 1, __ATOMIC_ACQUIRE)) return ps_qgemm(x, w, res, y, M, N, K, row_bytes, type, 1);
     int8_t *q = (int8_t *)grow(&pool.qbuf, &pool.qcap, (M * K + 3) / 4);
     float *dq = grow(&pool.dbuf, &pool.dcap, 2 * M * nb);
@@ -402,7 +436,7 @@ int ps_bf16_shared(void *fn, const uint16_t *x, const uint16_t *wp, const uint16
     const bf16_blocks_fn f = (bf16_blocks_fn)fn;
     const int helpers = pool.use ? pool.helpers : 0;
     const long tiles = (N + 15) / 16, blocks = (tiles + 1) / 2, cols = act ? N / 2 : N, elem = out_f32 ? 4 : 2;
-    if (helpers == 0 || M == 0 || M > MAX_ROWS || blocks < 2 ||
+    if (!shareable(M, cols * elem, helpers) || blocks < 2 ||
         __atomic_exchange_n(&pool.busy, 1, __ATOMIC_ACQUIRE)) {
         /* one thread (or another thread's job is running): the caller alone, in one pass */
         f(x, wp, res, y, M, N, K, out_f32, act, 0, blocks);

@@ -10,7 +10,9 @@ systems alternate, each run driving every rate in turn with `phasesplit bench`, 
 shared machine falls on both; the repetitions show how large it is.
 
 Split lends idle prefill workers whole requests (`--lend-idle-prefill`, routing.lend_prefill);
-`--systems colocated,split,split-nolend` adds split without it to the same run.
+`--systems colocated,split,split-nolend` adds split without it to the same run. Each split worker
+borrows the other's core while it idles (`up --pin-cpus` gives it `--borrow-idle-cpus`);
+`split-noborrow` is split without that.
 
 Printed per rate, system and repetition: completed requests/s, TTFT p50/p90, pooled ITL p90/p99,
 goodput under each --slo (the bench's own definition: TTFT and the request's mean ITL within
@@ -74,7 +76,8 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8320)
     ap.add_argument("--systems", default="colocated,split",
                     help="comma-separated, in run order: colocated, split, split-nolend (split without "
-                         "lending idle prefill workers whole requests)")
+                         "lending idle prefill workers whole requests), split-noborrow (split whose workers "
+                         "compute on their own core only: up --no-borrow-idle-cpus)")
     ap.add_argument("--out", type=Path, default=None, help="folder for the bench JSONs (default: a temporary one)")
     a = ap.parse_args()
     specs = a.slo or ["standard=ttft=8s,itl=150ms", "tight=ttft=4s,itl=75ms"]
@@ -85,7 +88,8 @@ def main() -> None:
     out = a.out or Path(tempfile.mkdtemp(prefix="phasesplit-placement-sweep-"))
     out.mkdir(parents=True, exist_ok=True)
     split = ["--pin-cpus", "--prefill-placement", "adaptive", "--itl-target", a.itl_target]
-    known = {"colocated": ["--colocated"], "split": split, "split-nolend": [*split, "--no-lend-idle-prefill"]}
+    known = {"colocated": ["--colocated"], "split": split, "split-nolend": [*split, "--no-lend-idle-prefill"],
+             "split-noborrow": [*split, "--no-borrow-idle-cpus"]}
     systems = {name: known[name] for name in a.systems.split(",")}
     if not {"colocated", "split"} <= set(systems):
         raise SystemExit("--systems must include colocated and split (the ratio printed is theirs)")

@@ -86,3 +86,65 @@ def test_batched_decode_steps_share_matmuls_and_attention_with_the_helpers() -> 
         cpu_gemm_avx2.use_helpers(lib, True)
     assert len(shared) == 20 and all(len(v) == 6 for v in shared.values())
     assert shared == alone
+
+
+BORROW_SCRIPT = r"""
+import json, os, sys, torch
+from phasesplit.runtime.engine.engine import EngineConfig, LLMEngine
+from phasesplit.runtime.engine.model_runner import RunnerConfig
+from phasesplit.runtime.kernels import build, cpu_gemm_avx2
+from phasesplit.runtime.request import SamplingParams
+
+mine, other = int(sys.argv[1]), int(sys.argv[2])
+os.sched_setaffinity(0, {mine})  # as `phasesplit up --pin-cpus` starts a worker of one core
+eng = LLMEngine("smollm2", EngineConfig(runner=RunnerConfig(threads=1, borrow_cpus=(other,), kv_cache_memory=64 << 20),
+                                        prefix_caching=False))
+lib = build.bf16w_library()
+if lib is None or not eng.runner.decode_helpers:
+    print(json.dumps({"skip": "no helpers (no CPU matmul kernel serves the weights here)"}))
+    sys.exit(0)
+helpers = [t for t in map(int, os.listdir("/proc/self/task")) if t != os.getpid()
+           and os.sched_getscheduler(t) == os.SCHED_IDLE]
+params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+prompt = list(range(1000, 1300))  # 300 tokens: a prefill chunk of 300 rows, past the decode steps' 64
+
+def run(tag):
+    return [(o.new_token_ids, o.logprobs) for o in eng.run_to_end(tag, prompt, params)]
+
+before = cpu_gemm_avx2.helper_stats(lib)[0]
+eng.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0))
+eng.step()  # the prefill alone
+prefill_helped = cpu_gemm_avx2.helper_stats(lib)[0] - before
+while eng.seqs:
+    eng.step()
+shared = run("shared")
+cpu_gemm_avx2.use_helpers(lib, False)
+alone = run("alone")
+print(json.dumps({"helpers": [sorted(os.sched_getaffinity(t)) for t in helpers], "prefill_helped": prefill_helped,
+                  "same": shared == alone, "tokens": len(shared)}))
+"""
+
+
+def test_a_one_cpu_worker_borrows_another_workers_idle_cpu_for_prefill_too() -> None:
+    """A worker pinned to one CPU with --borrow-idle-cpus (what `phasesplit up --pin-cpus` gives
+    each worker of a split) runs one helper on the other CPU at idle priority, pinned there; the
+    prefill's matmuls (300 rows, more than decode steps share) run partly on it, and the tokens
+    and logprobs are the same bits as the caller's alone. In a subprocess: the helper pool is
+    per process, and this one leaves it idle-priority."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("one CPU: there is no other worker's CPU to borrow")
+    out = subprocess.run([sys.executable, "-c", BORROW_SCRIPT, str(cpus[0]), str(cpus[1])], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if "skip" in got:
+        pytest.skip(got["skip"])
+    assert got["helpers"] == [[cpus[1]]], f"want one idle-priority helper pinned to CPU {cpus[1]}: {got}"
+    assert got["prefill_helped"] > 0, "no matmul chunk of the 300-token prefill ran on the borrowed CPU"
+    assert got["same"] and got["tokens"] == 8

@@ -9,6 +9,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from tests.procs import free_port
 
@@ -26,9 +27,10 @@ def _ignore_sigint() -> None:
 
 
 def _run_up(extra: list[str], log, stop: int = signal.SIGTERM, background: bool = False,
-            prompts: list[str] = PROMPTS, kids: int | None = None) -> tuple[list[str], set[int]]:
+            prompts: list[str] = PROMPTS, kids: int | None = None, during=None) -> tuple[list[str], set[int]]:
     """Start `up`, send the prompts, stop it; returns the texts and its child processes (`kids`:
-    how many there must be; default 1 for --colocated, 3 for a split)."""
+    how many there must be; default 1 for --colocated, 3 for a split). `during(pids)` runs
+    before it is stopped."""
     port = free_port()
     p = subprocess.Popen([sys.executable, "-m", "phasesplit.runtime.cli", "up", "--port", str(port), "--dtype",
                           "float32", "--kv-cache-memory", "128MiB", "--log-level", "warning", *extra],
@@ -51,6 +53,8 @@ def _run_up(extra: list[str], log, stop: int = signal.SIGTERM, background: bool 
                 "model": "smollm2-135m-instruct", "prompt": prompt, "max_tokens": 16, "temperature": 0})
             assert r.status_code == 200, r.text
             texts.append(r.json()["choices"][0]["text"])
+        if during:
+            during(kids)
     finally:
         p.send_signal(stop)
         p.wait(timeout=60)
@@ -83,6 +87,50 @@ def test_up_colocated_replicas_behind_the_router(tmp_path):
     assert two == one * 2
     time.sleep(0.5)
     assert not [k for k in kids if _alive(k)], "SIGTERM must stop every child"
+
+
+def _idle_helpers(pid: int) -> list[tuple[str, str]]:
+    """(the process's own CPUs, the CPUs of each of its threads at idle priority, SCHED_IDLE)."""
+    def field(path: str) -> str:
+        with open(path) as f:
+            return next(line.split()[1] for line in f if line.startswith("Cpus_allowed_list:"))
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            if os.sched_getscheduler(int(tid)) == os.SCHED_IDLE:
+                out.append((field(f"/proc/{pid}/status"), field(f"/proc/{pid}/task/{tid}/status")))
+        except (OSError, StopIteration):
+            pass
+    return out
+
+
+def test_up_pinned_workers_borrow_each_others_idle_cpus(tmp_path):
+    """`up --pin-cpus` on two CPUs: the prefill and decode workers own one CPU each and run an
+    idle-priority helper on the other's (--borrow-idle-cpus); the answers are the same as
+    without (--no-borrow-idle-cpus). dtype auto: the CPU kernels the helpers share."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) != 2:
+        pytest.skip(f"{len(cpus)} CPUs: the check is written for a split of one CPU per worker")
+    seen = {}
+
+    def helpers(kids: set[int]) -> None:
+        for pid in kids:
+            with open(f"/proc/{pid}/cmdline") as f:
+                argv = f.read().split("\0")
+            if "--role" in argv and argv[argv.index("--role") + 1] in ("prefill", "decode"):
+                seen[argv[argv.index("--role") + 1]] = _idle_helpers(pid)
+
+    with open(tmp_path / "up.log", "w") as log:
+        borrowed, _ = _run_up(["--pin-cpus", "--dtype", "auto"], log, during=helpers)
+        own, _ = _run_up(["--pin-cpus", "--dtype", "auto", "--no-borrow-idle-cpus"], log)
+    assert borrowed == own
+    if not seen.get("decode") and not seen.get("prefill"):
+        pytest.skip("no idle-priority helpers: no CPU matmul kernel serves the weights here (no AVX2/FMA/F16C "
+                    "or no C compiler)")
+    for role in ("prefill", "decode"):
+        assert len(seen[role]) == 1, (role, seen)
+        own_cpu, helper_cpu = seen[role][0]
+        assert {own_cpu, helper_cpu} == {str(c) for c in cpus}, (role, seen)
 
 
 def test_up_stops_on_sigint_in_the_background_and_no_worker_outlives_it(tmp_path):

@@ -67,3 +67,19 @@ def test_one_version_everywhere():
     assert render.labels(owner, "router")["app.kubernetes.io/version"] == VERSION
     crd = (ROOT / "crds" / f"{api.GROUP}_{api.PLURAL}.yaml").read_text()
     assert f"default: {api.DEFAULT_RUNTIME_IMAGE}" in crd
+
+
+def test_cpu_lists_parse_as_taskset_writes_them():
+    import argparse
+
+    from phasesplit.runtime.cli import build_parser, cpu_list
+
+    assert cpu_list("1") == (1,) and cpu_list("0,2") == (0, 2) and cpu_list("2-3,0") == (0, 2, 3)
+    for bad in ("x", "1-", "a-2", "-1", "3-1", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="CPU"):
+            cpu_list(bad)
+    serve = build_parser().parse_args(["serve", "--role", "prefill", "--borrow-idle-cpus", "1"])
+    assert serve.borrow_idle_cpus == (1,)
+    assert build_parser().parse_args(["serve"]).borrow_idle_cpus == ()
+    assert build_parser().parse_args(["up", "--pin-cpus"]).borrow_idle_cpus is True  # borrowing is the default
+    assert build_parser().parse_args(["up", "--no-borrow-idle-cpus"]).borrow_idle_cpus is False
