@@ -138,12 +138,7 @@ def start_helpers(lib: ctypes.CDLL, n: int, pin: bool = False, spin_us: int = -1
     a helper's spin before it sleeps, the caller's wait for a held chunk before it computes it
     itself (-1: the defaults). Returns how many helpers run; at most one pool per process."""
     got = lib.ps_helpers_start(n, int(pin), spin_us, steal_us)
-    lib.ps_helpers_use(1)
-    try:
-        check_shared(lib)
-    except KernelUnavailable:
-        lib.ps_helpers_use(0)
-        raise
+    _use_checked(lib)
     return got
 
 
@@ -155,13 +150,19 @@ def borrow_helpers(lib: ctypes.CDLL, cpus: list[int], max_rows: int) -> int:
     priority all the same); at most one pool per process."""
     arr = (ctypes.c_int * len(cpus))(*cpus)
     placed = lib.ps_helpers_borrow(arr, len(cpus), max_rows)
+    _use_checked(lib)
+    return placed
+
+
+def _use_checked(lib: ctypes.CDLL) -> None:
+    """Switch the shared calls onto the helpers, checked bit for bit first; off again (and
+    KernelUnavailable raised) if they differ."""
     lib.ps_helpers_use(1)
     try:
         check_shared(lib)
     except KernelUnavailable:
         lib.ps_helpers_use(0)
         raise
-    return placed
 
 
 def use_helpers(lib: ctypes.CDLL, on: bool) -> bool:
