@@ -140,6 +140,7 @@ def up(args: argparse.Namespace) -> int:
                                 str(args.local_prefill_threshold), "--prefill-placement",
                                 args.prefill_placement, "--itl-target", str(args.itl_target)])] * args.decode
     cpu_sets = _cpu_sets(len(workers)) if args.pin_cpus else [None] * len(workers)
+    pinned = set().union(*(s for s in cpu_sets if s))  # every worker's, for --borrow-idle-cpus
 
     def shutdown(*_: object) -> None:
         # SIGTERM: each child drains (not ready, no new requests, finishes its streams and
@@ -180,7 +181,7 @@ def up(args: argparse.Namespace) -> int:
                 argv += ["--prefill-urls", ",".join(urls["prefill"])]
             if cpus:  # --threads is per tensor-parallel rank; the ranks share the worker's cores
                 argv += ["--threads", str(max(1, len(cpus) // args.tensor_parallel_size))]
-                others = sorted(set().union(*(s for s in cpu_sets if s)) - cpus)
+                others = sorted(pinned - cpus)
                 if args.borrow_idle_cpus and others:  # the other workers' cores, while they idle
                     argv += ["--borrow-idle-cpus", ",".join(map(str, others))]
             children.append(Child(role, argv, cpus, url, env))
