@@ -172,6 +172,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--itl-target", type=seconds_or_zero, default=0.1,
                    help="decode worker, adaptive placement: the longest step a local prefill may make; "
                         "prompt chunks beside running streams are cut to fit it (0: no limit)")
+    g.add_argument("--pause-for-remote-prefill", action="store_true",
+                   help="decode worker whose prefill workers borrow its CPU (--borrow-idle-cpus; up --pin-cpus "
+                        "sets it): leave that CPU to a short remote prefill of its own while its streams are "
+                        "ahead of --itl-target's pace (their per-request ITL stays within it)")
     g.add_argument("--drain-timeout", type=parse_seconds, default=300.0,
                    help="on SIGTERM: how long to let requests in flight finish before exiting")
     g.add_argument("--revision", default="",
@@ -200,7 +204,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "prefill them; the operator sets it when prefill scales to zero)")
     g.add_argument("--lend-idle-prefill", action="store_true",
                    help="router: send a whole request (prefill and decode) to a prefill worker with nothing to "
-                        "prefill when it carries fewer requests than the best decode worker, so a decode-heavy "
+                        "prefill when it carries two requests fewer than the best decode worker, so a decode-heavy "
                         "mix decodes on every core (those streams share the prefill worker's steps with its "
                         "remote prefills, as colocated streams do)")
     g.add_argument("--worker-read-timeout", type=parse_seconds, default=30.0,
@@ -230,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "while they idle (--borrow-idle-cpus)")
     up.add_argument("--no-borrow-idle-cpus", dest="borrow_idle_cpus", action="store_false",
                     help="with --pin-cpus: each worker computes on its own cores only (for A/B runs)")
+    up.add_argument("--no-pause-for-remote-prefill", dest="pause_for_remote_prefill", action="store_false",
+                    help="with --pin-cpus: decode workers never leave their CPU to a remote prefill (for A/B runs)")
     up.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     up.add_argument("--on-prefill-failure", choices=FAILURE_POLICIES, default="retry-local")
     up.add_argument("--prefill-timeout", type=parse_seconds, default=30.0)

@@ -184,6 +184,8 @@ def up(args: argparse.Namespace) -> int:
                 others = sorted(pinned - cpus)
                 if args.borrow_idle_cpus and others:  # the other workers' cores, while they idle
                     argv += ["--borrow-idle-cpus", ",".join(map(str, others))]
+                    if role == "decode" and args.pause_for_remote_prefill:  # the prefill workers borrow its core
+                        argv += ["--pause-for-remote-prefill"]
             children.append(Child(role, argv, cpus, url, env))
             urls[role].append(url)
             print(f"[up] {role} worker on {url} (pid {children[-1].p.pid})"

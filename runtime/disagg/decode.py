@@ -179,6 +179,10 @@ class DecodeConnector(KVConnector):
         if d.where == placement.LOCAL:
             self.routes.pop(seq.request_id, None)
             return False
+        if self.aengine.engine.config.remote_pause_target_s:  # LLMEngine.remote_pause weighs it
+            seq.remote_started = time.monotonic()
+            seq.remote_estimate_s = d.remote_s if d.remote_s is not None else placement.remote_seconds(
+                f, f.remote_queued_tokens)
         t = RemotePrefill(seq, self.aengine.engine.runner.slots(seq, 0, len(seq.prompt_ids)).cpu())
         with self.lock:
             self.transfers[t.request_id] = t

@@ -24,7 +24,13 @@ from phasesplit.runtime.engine.model_runner import LayerStream, ModelRunner, Run
 from phasesplit.runtime.engine.sampling import Sampler, choice_seed, logprobs_of
 from phasesplit.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from phasesplit.runtime.engine.sequence import Sequence, Status
-from phasesplit.runtime.engine.step_costs import STEP_AIM, LinearCost, StepTimeBudget, efficient_chunk
+from phasesplit.runtime.engine.step_costs import (
+    STEP_AIM,
+    LinearCost,
+    StepTimeBudget,
+    efficient_chunk,
+    pause_for_remote,
+)
 from phasesplit.runtime.model.loader import resolve
 from phasesplit.runtime.model.tokenizer import IncrementalDecoder, TextTokenizer
 from phasesplit.runtime.request import RequestError, RequestOutput, SamplingParams
@@ -47,6 +53,10 @@ class EngineConfig:
     # max_num_batched_tokens. Off for the library (offline batches want throughput only); the
     # server's --chunk-overhead turns it on (step_costs.CHUNK_OVERHEAD).
     chunk_overhead: float | None = None
+    # A split decode worker whose prefill workers borrow its CPU (`up --pin-cpus`): the ITL
+    # target by which it leaves that CPU to a short remote prefill of its own while its streams
+    # are ahead of the target's pace (step_costs.pause_for_remote); None: never.
+    remote_pause_target_s: float | None = None
 
 
 class EngineObserver:
@@ -365,6 +375,28 @@ class LLMEngine:
             return None
         base, per_token = self.prompt_step_fit()
         return StepTimeBudget(self.config.itl_target_s * STEP_AIM, base, per_token)
+
+    def remote_pause(self) -> float:
+        """Seconds to wait before the next step (0: step now): a split decode worker leaves its
+        CPU to the prefill worker that borrows it while a short remote prefill of its own runs and
+        its streams are ahead of the ITL pace (step_costs.pause_for_remote). Never while a prompt
+        waits or is in chunks here: a pause would hold it up too."""
+        target = self.config.remote_pause_target_s
+        if not target or self.scheduler.waiting:
+            return 0.0
+        now = time.monotonic()
+        remote = [(s.remote_estimate_s, now - s.remote_started) for s in self.seqs.values()
+                  if s.status is Status.REMOTE_PREFILL and s.remote_started is not None
+                  and s.remote_estimate_s is not None]
+        if not remote:
+            return 0.0
+        streams = []
+        for s in self.scheduler.running:
+            if s.uncomputed > 1:
+                return 0.0
+            if s.status is Status.RUNNING and s.first_token_time is not None:
+                streams.append((len(s.output_ids), now - s.first_token_time))
+        return pause_for_remote(target, streams, remote)
 
     def chunk_tokens(self) -> int | None:
         """The most prompt tokens a step carries by EngineConfig.chunk_overhead (None: no cap)."""

@@ -39,6 +39,10 @@ class Sequence:
     kv_transfer_s: float | None = None  # split mode: seconds the prompt's K/V took to arrive
     remote_queued_s: float | None = None  # split mode: its wait in the prefill worker's queue
     remote_prefill_s: float | None = None  # split mode: its prefill there, queue excluded
+    # split mode: when its remote prefill was called, and the round trip placement estimated
+    # (LLMEngine.remote_pause; set only where the decode worker pauses for remote prefills)
+    remote_started: float | None = None
+    remote_estimate_s: float | None = None
     group: str = ""  # the request this sequence is a choice of (its own id when n == 1)
     index: int = 0  # which choice of its request
     matcher: Any = None  # grammar matcher of a constrained request (engine/grammar.py)

@@ -88,6 +88,36 @@ MIN_PROMPT_TOKENS = 8
 STEP_AIM = 0.8
 
 
+# Longest a decode worker pauses its streams for a remote prefill (`pause_for_remote`), in ITL
+# targets; and the longest estimated round trip it pauses for at all: a chat's prompt on one core
+# (~250 ms for 64 tokens on the 2-core AVX2 machine), not a document's.
+MAX_PAUSE = 2.0
+MAX_PAUSED_PREFILL = 5.0
+
+
+def pace_slack(target_s: float, streams: list[tuple[int, float]]) -> float:
+    """Seconds every stream may still wait for its next token and keep an ITL target of
+    `target_s` as a pace: (tokens out so far, seconds since its first token) each; n tokens out
+    after the next are n gaps, n × target in all (the benchmarks' per-request ITL, DistServe's
+    TPOT). STEP_AIM's margin is kept, as for a step (StepTimeBudget)."""
+    return min(n * target_s - elapsed for n, elapsed in streams) - (1 - STEP_AIM) * target_s
+
+
+def pause_for_remote(target_s: float, streams: list[tuple[int, float]], remote: list[tuple[float, float]]) -> float:
+    """Seconds a split decode worker leaves its CPU idle before its next step, for a prefill
+    worker that borrows that CPU (`phasesplit up --pin-cpus`) and is computing a prompt for it:
+    a chat's prefill on both cores instead of one, as a colocated engine's would be, while the
+    streams wait as they would there. `remote`: each remote prefill in flight as (seconds its
+    round trip was estimated to take, seconds it has run). Only while every one of them fits
+    MAX_PAUSED_PREFILL targets (a long prompt's prefill is not worth stopping the streams for), and
+    within the streams' pace (`pace_slack`): they wait only what they are ahead by, and at most
+    MAX_PAUSE targets. 0: step."""
+    if not streams or not remote or any(est > MAX_PAUSED_PREFILL * target_s for est, _ in remote):
+        return 0.0
+    left = max(est - ran for est, ran in remote)
+    return max(0.0, min(left, MAX_PAUSE * target_s - max(ran for _, ran in remote), pace_slack(target_s, streams)))
+
+
 @dataclass(frozen=True)
 class StepTimeBudget:
     """A step that carries decode rows must end within `target_s`: the prompt tokens it may carry

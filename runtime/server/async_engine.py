@@ -143,7 +143,9 @@ class AsyncEngine:
         failed_steps = 0
         while not self._stop.is_set():
             try:
-                kind, payload = self.inbox.get(timeout=None if not e.has_work() else 0)
+                # A split decode worker may leave its CPU to the prefill worker computing a prompt
+                # for it (LLMEngine.remote_pause): it waits here, woken by the K/V's arrival.
+                kind, payload = self.inbox.get(timeout=e.remote_pause() if e.has_work() else None)
             except queue.Empty:
                 kind = None
             try:
@@ -158,7 +160,7 @@ class AsyncEngine:
                 # A remote prefill's first token (a call above) goes out now, not after the step
                 # that computes the second: on the split TTFT path, that step was one ITL.
                 self._send_pending()
-                if e.has_work():
+                if e.has_work() and not e.remote_pause():
                     for out in e.step():
                         self._deliver(out.request_id, out)
                 failed_steps = 0

@@ -106,6 +106,14 @@ def load(w: Worker) -> int:
     return w.running + w.waiting + w.inflight
 
 
+# A prefill worker is lent a request only when it carries at least this many fewer than the decode
+# worker. One fewer is not enough: beside one stream, the decode worker is no bottleneck, and on
+# one machine (`up --pin-cpus`) it leaves its core to the remote prefill (LLMEngine.remote_pause),
+# which then runs on both cores; lent, the prompt got one (a chat's first token ~1.4x later than
+# colocated's at 0.25-0.375 req/s, docs/benchmarks.md).
+LEND_MARGIN = 2
+
+
 def lend_prefill(prefill: Pool, decode: Worker, exclude: set[str] | frozenset[str] = frozenset()) -> Worker | None:
     """A prefill worker to serve a whole request (prefill and decode) instead of `decode`, or None.
 
@@ -113,8 +121,8 @@ def lend_prefill(prefill: Pool, decode: Worker, exclude: set[str] | frozenset[st
     pool is the bottleneck (docs/benchmarks.md: split 1+1 served 0.17x colocated's goodput at
     3 req/s of 64/128-token requests, two colocated replicas as much as colocated). So a prefill
     worker with nothing to prefill (no prompt queued or part-way, this router's own picks since
-    the last poll included) takes the request when it carries fewer requests than the decode
-    worker picked for it; on a tie the decode worker keeps it, its steps carrying no prefill.
+    the last poll included) takes the request when it carries LEND_MARGIN fewer requests than
+    the decode worker picked for it, or more; otherwise the decode worker keeps it.
     A lent stream shares the prefill worker's steps with the remote prefills that arrive after it,
     as a colocated engine's streams share theirs with prompts: that is the price, and why only an
     idle worker is lent. The prompt it adds counts as queued there, so remote prefills rank it
@@ -124,7 +132,7 @@ def lend_prefill(prefill: Pool, decode: Worker, exclude: set[str] | frozenset[st
     if not idle:
         return None
     best = min(idle, key=load)
-    return best if load(best) < load(decode) else None
+    return best if load(best) + LEND_MARGIN <= load(decode) else None
 
 
 def missing_phase(decode: Pool, prefill: Pool, need_prefill: bool,

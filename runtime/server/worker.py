@@ -33,6 +33,8 @@ def engine_config(args: argparse.Namespace, phase: str = "both") -> EngineConfig
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefix_caching=args.prefix_caching,
         itl_target_s=(args.itl_target or None) if adaptive else None,
+        remote_pause_target_s=(args.itl_target or None) if phase == "decode" and args.pause_for_remote_prefill
+        else None,
         chunk_overhead=args.chunk_overhead or None,
     )
 

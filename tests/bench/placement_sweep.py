@@ -12,7 +12,8 @@ shared machine falls on both; the repetitions show how large it is.
 Split lends idle prefill workers whole requests (`--lend-idle-prefill`, routing.lend_prefill);
 `--systems colocated,split,split-nolend` adds split without it to the same run. Each split worker
 borrows the other's core while it idles (`up --pin-cpus` gives it `--borrow-idle-cpus`);
-`split-noborrow` is split without that.
+`split-noborrow` is split without that, and `split-nopause` split whose decode worker never leaves
+its core to a remote prefill (`up --no-pause-for-remote-prefill`; LLMEngine.remote_pause).
 
 Printed per rate, system and repetition: completed requests/s, TTFT p50/p90, pooled ITL p90/p99,
 goodput under each --slo (the bench's own definition: TTFT and the request's mean ITL within
@@ -77,7 +78,8 @@ def main() -> None:
     ap.add_argument("--systems", default="colocated,split",
                     help="comma-separated, in run order: colocated, split, split-nolend (split without "
                          "lending idle prefill workers whole requests), split-noborrow (split whose workers "
-                         "compute on their own core only: up --no-borrow-idle-cpus)")
+                         "compute on their own core only: up --no-borrow-idle-cpus), split-nopause (split whose "
+                         "decode worker never pauses for a remote prefill: up --no-pause-for-remote-prefill)")
     ap.add_argument("--out", type=Path, default=None, help="folder for the bench JSONs (default: a temporary one)")
     a = ap.parse_args()
     specs = a.slo or ["standard=ttft=8s,itl=150ms", "tight=ttft=4s,itl=75ms"]
@@ -89,7 +91,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     split = ["--pin-cpus", "--prefill-placement", "adaptive", "--itl-target", a.itl_target]
     known = {"colocated": ["--colocated"], "split": split, "split-nolend": [*split, "--no-lend-idle-prefill"],
-             "split-noborrow": [*split, "--no-borrow-idle-cpus"]}
+             "split-noborrow": [*split, "--no-borrow-idle-cpus"],
+             "split-nopause": [*split, "--no-pause-for-remote-prefill"]}
     systems = {name: known[name] for name in a.systems.split(",")}
     if not {"colocated", "split"} <= set(systems):
         raise SystemExit("--systems must include colocated and split (the ratio printed is theirs)")

@@ -154,10 +154,11 @@ def test_adaptive_placement_equals_colocated(colocated, logs, prompts):
 
 def test_lent_requests_equal_colocated(colocated, logs, prompts):
     """--lend-idle-prefill: the router sends whole requests to the prefill worker while it has
-    nothing to prefill and carries fewer requests than the decode worker. Those are prefilled and
+    nothing to prefill and carries two requests fewer than the decode worker. Those are prefilled and
     decoded there, and every text is still colocated's, token for token."""
     sixteen = (prompts * 2)[:16]
-    reference = texts(colocated.url, sixteen, 16)
+    with ThreadPoolExecutor(16) as pool:
+        reference = [r["choices"][0]["text"] for r in pool.map(lambda p: complete(colocated.url, p, 48), sixteen)]
     prefill = serve("prefill", logs, *FP32)
     decode = serve("decode", logs, *FP32, "--prefill-urls", prefill.url)
     router = serve("router", logs, *FP32, "--prefill-urls", prefill.url, "--decode-urls", decode.url,
@@ -166,11 +167,12 @@ def test_lent_requests_equal_colocated(colocated, logs, prompts):
         for p in (prefill, decode, router):
             p.wait_ready()
         # Staggered past the router's 0.5 s poll: it lends at most one prompt per poll that finds
-        # the prefill worker idle while the decode worker is busy, and requests sent all at once
-        # fall within one poll (under a loaded CI none was lent that way).
+        # the prefill worker idle while the decode worker carries two requests more (48 tokens:
+        # streams long enough that two overlap), and requests sent all at once fall within one
+        # poll (under a loaded CI none was lent that way).
         def staggered(i: int) -> str:
             time.sleep(0.7 * i)
-            return complete(router.url, sixteen[i])["choices"][0]["text"]
+            return complete(router.url, sixteen[i], max_tokens=48)["choices"][0]["text"]
 
         with ThreadPoolExecutor(16) as pool:
             got = list(pool.map(staggered, range(len(sixteen))))
@@ -384,6 +386,42 @@ def test_reservation_is_held_while_a_frame_lands():
     out = engine.step()  # computes its prompt here now
     assert out and out[0].request_id == "b"
     engine.abort("b")
+    assert engine.blocks.num_allocated == 0
+
+
+def test_a_decode_worker_pauses_for_its_short_remote_prefill_while_its_stream_is_ahead():
+    """LLMEngine.remote_pause (what the engine thread waits before a step): a remote prefill in
+    flight, estimated short, and a stream ahead of the ITL pace -> wait what is left of the
+    estimate; no pause without the setting, without a remote prefill the connector stamped, or
+    while a prompt waits to be prefilled here (it would be held up too). The target is 10 s, so
+    the stream is ahead of it on any machine."""
+    from phasesplit.runtime.engine.engine import EngineConfig, LLMEngine
+    from phasesplit.runtime.engine.model_runner import RunnerConfig
+    from phasesplit.runtime.request import SamplingParams
+
+    engine = LLMEngine("smollm2", EngineConfig(remote_pause_target_s=10.0,
+                                               runner=RunnerConfig(dtype="float32", kv_cache_memory=16 << 20)))
+    engine.add_request("a", list(range(1, 20)), SamplingParams(max_tokens=64, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert engine.seqs["a"].output_ids, "the stream runs"
+    assert engine.remote_pause() == 0, "no remote prefill in flight"
+    b = engine.add_request("b", list(range(1, 40)), SamplingParams(max_tokens=4), remote=True)
+    assert engine.remote_pause() == 0, "not stamped by the connector: not weighed"
+    b.remote_started, b.remote_estimate_s = time.monotonic(), 5.0
+    pause = engine.remote_pause()
+    assert 0 < pause <= 5.0
+    time.sleep(0.05)
+    assert engine.remote_pause() < pause, "what is left of the estimate"
+    engine.add_request("c", list(range(1, 30)), SamplingParams(max_tokens=4))
+    assert engine.remote_pause() == 0, "a prompt waits here"
+    engine.step()  # c's prompt computed (or started): no pause while it is in chunks either
+    engine.abort("c")
+    assert engine.remote_pause() > 0
+    engine.config.remote_pause_target_s = None
+    assert engine.remote_pause() == 0
+    for r in "ab":
+        engine.abort(r)
     assert engine.blocks.num_allocated == 0
 
 

@@ -108,13 +108,14 @@ def _idle_helpers(pid: int) -> list[tuple[str, str]]:
 
 def test_up_pinned_workers_borrow_each_others_idle_cpus(tmp_path):
     """`up --pin-cpus` on two CPUs: the prefill and decode workers own one CPU each and run an
-    idle-priority helper on the other's (--borrow-idle-cpus); the answers are the same as
-    without (--no-borrow-idle-cpus). dtype auto: the CPU kernels the helpers share."""
+    idle-priority helper on the other's (--borrow-idle-cpus), and the decode worker leaves its
+    CPU to a short remote prefill (--pause-for-remote-prefill, decode only); the answers are the
+    same as without (--no-borrow-idle-cpus). dtype auto: the CPU kernels the helpers share."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) != 2:
         pytest.skip(f"{len(cpus)} CPUs: `up --pin-cpus` gives a worker of this split one CPU (the case that "
                     "borrows) only on two")
-    seen = {}
+    seen, pauses = {}, {}
 
     def helpers(kids: set[int]) -> None:
         for pid in kids:
@@ -122,11 +123,13 @@ def test_up_pinned_workers_borrow_each_others_idle_cpus(tmp_path):
                 argv = f.read().split("\0")
             if "--role" in argv and argv[argv.index("--role") + 1] in ("prefill", "decode"):
                 seen[argv[argv.index("--role") + 1]] = _idle_helpers(pid)
+                pauses[argv[argv.index("--role") + 1]] = "--pause-for-remote-prefill" in argv
 
     with open(tmp_path / "up.log", "w") as log:
         borrowed, _ = _run_up(["--pin-cpus", "--dtype", "auto"], log, during=helpers)
         own, _ = _run_up(["--pin-cpus", "--dtype", "auto", "--no-borrow-idle-cpus"], log)
     assert borrowed == own
+    assert pauses == {"prefill": False, "decode": True}, pauses
     if not seen.get("decode") and not seen.get("prefill"):
         assert not can_build(build.BF16W), f"the bf16-weight library builds here, yet no worker borrowed: {seen}"
         pytest.skip("no idle-priority helpers: no CPU matmul kernel serves the weights here (no AVX2/FMA/F16C "

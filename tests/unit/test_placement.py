@@ -205,3 +205,40 @@ def test_a_prompt_step_figure_from_a_slow_moment_fades_once_decode_steps_are_qui
     prompt_steps = kept
     prompt_steps.observe(42, 1.0)  # a chat's step here, measured slow again: that decides at once
     assert place().where == pl.REMOTE
+
+
+def test_a_decode_worker_pauses_for_a_short_remote_prefill_only_within_its_streams_pace():
+    """LLMEngine.remote_pause's rule (step_costs.pause_for_remote): leave the CPU to a chat's
+    remote prefill while every stream is ahead of the ITL target's pace, for what is left of the
+    prefill's estimate, never longer than MAX_PAUSE targets nor what the slowest stream saved."""
+    from phasesplit.runtime.engine.step_costs import (
+        MAX_PAUSE,
+        MAX_PAUSED_PREFILL,
+        STEP_AIM,
+        pace_slack,
+        pause_for_remote,
+    )
+
+    target = 0.1
+    ahead = (50, 0.6)  # 50 tokens out 0.6 s after its first: 4.4 s ahead of a 100 ms pace
+    on_pace = (10, 0.99)  # 10 tokens in 0.99 s: 10 ms of its next gap left, under the 20 ms margin
+    assert pace_slack(target, [ahead]) == pytest.approx(50 * target - 0.6 - (1 - STEP_AIM) * target)
+    assert pace_slack(target, [ahead, on_pace]) < 0
+    # A 150 ms prefill just called: wait all of it; 100 ms into it: the 50 ms left.
+    assert pause_for_remote(target, [ahead], [(0.15, 0.0)]) == pytest.approx(0.15)
+    assert pause_for_remote(target, [ahead], [(0.15, 0.1)]) == pytest.approx(0.05)
+    # A slower one: at most MAX_PAUSE targets from its call, however far ahead the streams are.
+    assert pause_for_remote(target, [ahead], [(0.45, 0.0)]) == pytest.approx(MAX_PAUSE * target)
+    assert pause_for_remote(target, [ahead], [(0.45, MAX_PAUSE * target)]) == 0
+    # A document's (estimated past MAX_PAUSED_PREFILL targets): the streams go on, as do they
+    # beside a chat's when another remote prefill in flight is a document's.
+    doc = (MAX_PAUSED_PREFILL * target + 0.01, 0.0)
+    assert pause_for_remote(target, [ahead], [doc]) == 0
+    assert pause_for_remote(target, [ahead], [(0.15, 0.0), doc]) == 0
+    # A stream on pace (or behind) is never held up; a young one only as far as it saved.
+    assert pause_for_remote(target, [ahead, on_pace], [(0.15, 0.0)]) == 0
+    young = (2, 0.05)  # 2 tokens in 50 ms: 2 × 100 ms - 50 ms - the 20 ms margin = 130 ms
+    assert pause_for_remote(target, [young], [(0.2, 0.0)]) == pytest.approx(0.13)
+    # Nothing to pause for, or nobody to pause: step.
+    assert pause_for_remote(target, [ahead], []) == 0
+    assert pause_for_remote(target, [], [(0.15, 0.0)]) == 0

@@ -4,6 +4,7 @@ import random
 
 from phasesplit.runtime.server.routing import (
     AFFINITY_SLACK_TOKENS,
+    LEND_MARGIN,
     Pool,
     Worker,
     lend_prefill,
@@ -174,8 +175,12 @@ def test_lend_only_an_idle_prefill_worker_that_carries_less():
     assert lend_prefill(pool(Worker("http://old", True, running=0)), d) is None
     assert lend_prefill(pool(Worker("http://p3", False, takes_requests=True)), d) is None
     assert lend_prefill(pool(idle), d, exclude={"http://p2"}) is None
-    # The decode worker keeps requests on a tie: its steps carry no prompts.
+    # The decode worker keeps requests on a tie, and with one more than the prefill worker.
     idle.running = 3
+    assert lend_prefill(pool(idle), d) is None
+    idle.running = 2
+    assert lend_prefill(pool(idle), d) is None
+    idle.running, d.running = 0, 1  # one stream: the decode worker is no bottleneck
     assert lend_prefill(pool(idle), d) is None
     # Requests sent since the last poll and requests waiting count as load on both sides.
     idle.running, d.inflight, d.waiting = 1, 0, 0
@@ -203,6 +208,6 @@ def test_lent_requests_balance_a_decode_heavy_stream():
         if len(where) > 8:  # the request eight arrivals back finished
             gone = d if where[-9] == d.url else p
             gone.running -= 1
-    assert 15 <= where.count(p.url) <= 25 and abs(d.running - p.running) <= 1
+    assert 15 <= where.count(p.url) <= 25 and 0 <= d.running - p.running <= LEND_MARGIN
     p.queued_tokens = 64  # the router's own count after lending it a prompt, until the next poll
     assert lend_prefill(pools, Worker("http://d2", True, running=50)) is None

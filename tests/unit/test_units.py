@@ -83,3 +83,7 @@ def test_cpu_lists_parse_as_taskset_writes_them():
     assert build_parser().parse_args(["serve"]).borrow_idle_cpus == ()
     assert build_parser().parse_args(["up", "--pin-cpus"]).borrow_idle_cpus is True  # borrowing is the default
     assert build_parser().parse_args(["up", "--no-borrow-idle-cpus"]).borrow_idle_cpus is False
+    # A decode worker pauses for remote prefills only where told (up --pin-cpus tells it).
+    assert build_parser().parse_args(["serve", "--role", "decode"]).pause_for_remote_prefill is False
+    assert build_parser().parse_args(["up", "--pin-cpus"]).pause_for_remote_prefill is True
+    assert build_parser().parse_args(["up", "--no-pause-for-remote-prefill"]).pause_for_remote_prefill is False
