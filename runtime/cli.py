@@ -174,8 +174,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "prompt chunks beside running streams are cut to fit it (0: no limit)")
     g.add_argument("--pause-for-remote-prefill", action="store_true",
                    help="decode worker whose prefill workers borrow its CPU (--borrow-idle-cpus; up --pin-cpus "
-                        "sets it): leave that CPU to a short remote prefill of its own while its streams are "
-                        "ahead of --itl-target's pace (their per-request ITL stays within it)")
+                        "sets it): leave that CPU to a short remote prefill of its own while its one or two "
+                        "streams are ahead of --itl-target's pace (their per-request ITL stays within it)")
     g.add_argument("--drain-timeout", type=parse_seconds, default=300.0,
                    help="on SIGTERM: how long to let requests in flight finish before exiting")
     g.add_argument("--revision", default="",

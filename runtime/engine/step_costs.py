@@ -93,6 +93,10 @@ STEP_AIM = 0.8
 # (~250 ms for 64 tokens on the 2-core AVX2 machine), not a document's.
 MAX_PAUSE = 2.0
 MAX_PAUSED_PREFILL = 5.0
+# Most streams a pause holds up: it trades each one's wait for one prompt's first token, a trade
+# that pays for a stream or two at low load, not for a batch. With any batch paused, decode-heavy
+# at 1.26 req/s met a 50 ms ITL SLO for 0.71 req/s against 1.04 without pauses (docs/benchmarks.md).
+MAX_PAUSED_STREAMS = 2
 
 
 def pace_slack(target_s: float, streams: list[tuple[int, float]]) -> float:
@@ -111,8 +115,8 @@ def pause_for_remote(target_s: float, streams: list[tuple[int, float]], remote: 
     round trip was estimated to take, seconds it has run). Only while every one of them fits
     MAX_PAUSED_PREFILL targets (a long prompt's prefill is not worth stopping the streams for), and
     within the streams' pace (`pace_slack`): they wait only what they are ahead by, and at most
-    MAX_PAUSE targets. 0: step."""
-    if not streams or not remote or any(est > MAX_PAUSED_PREFILL * target_s for est, _ in remote):
+    MAX_PAUSE targets; and only for at most MAX_PAUSED_STREAMS streams. 0: step."""
+    if not streams or len(streams) > MAX_PAUSED_STREAMS or not remote or any(est > MAX_PAUSED_PREFILL * target_s for est, _ in remote):
         return 0.0
     left = max(est - ran for est, ran in remote)
     return max(0.0, min(left, MAX_PAUSE * target_s - max(ran for _, ran in remote), pace_slack(target_s, streams)))

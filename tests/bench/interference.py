@@ -17,6 +17,7 @@ gaps), on the same two systems; the documents stop when the chats are done.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -92,7 +93,10 @@ def run_one(label: str, up_args: list[str], bench_args: list[str], out: Path, po
             doc["cut_after_s"] = round(cut)
         return doc
     finally:
-        os.killpg(up.pid, signal.SIGTERM)  # the workers drain (nothing is in flight) and exit
+        # The workers drain (nothing is in flight) and exit. Gone already (a failed start): the
+        # error that says why propagates, not a ProcessLookupError from here.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(up.pid, signal.SIGTERM)
         try:
             up.wait(timeout=60)
         except subprocess.TimeoutExpired:

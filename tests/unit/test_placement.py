@@ -214,6 +214,7 @@ def test_a_decode_worker_pauses_for_a_short_remote_prefill_only_within_its_strea
     from phasesplit.runtime.engine.step_costs import (
         MAX_PAUSE,
         MAX_PAUSED_PREFILL,
+        MAX_PAUSED_STREAMS,
         STEP_AIM,
         pace_slack,
         pause_for_remote,
@@ -239,6 +240,9 @@ def test_a_decode_worker_pauses_for_a_short_remote_prefill_only_within_its_strea
     assert pause_for_remote(target, [ahead, on_pace], [(0.15, 0.0)]) == 0
     young = (2, 0.05)  # 2 tokens in 50 ms: 2 × 100 ms - 50 ms - the 20 ms margin = 130 ms
     assert pause_for_remote(target, [young], [(0.2, 0.0)]) == pytest.approx(0.13)
+    # A batch is not held up for one prompt: at most MAX_PAUSED_STREAMS streams are.
+    assert pause_for_remote(target, [ahead] * MAX_PAUSED_STREAMS, [(0.15, 0.0)]) == pytest.approx(0.15)
+    assert pause_for_remote(target, [ahead] * (MAX_PAUSED_STREAMS + 1), [(0.15, 0.0)]) == 0
     # Nothing to pause for, or nobody to pause: step.
     assert pause_for_remote(target, [ahead], []) == 0
     assert pause_for_remote(target, [], [(0.15, 0.0)]) == 0
