@@ -150,7 +150,10 @@ MIN_CHUNK_TOKENS = 32  # a floor against a fit whose base is an artefact of few 
 
 def efficient_chunk(base_s: float, per_token_s: float, overhead: float) -> int | None:
     """The fewest prompt tokens a step may carry with its fixed cost `base_s` at most `overhead`
-    of the step; None where there is nothing to weigh (no fixed or no per-token cost)."""
-    if overhead <= 0 or base_s <= 0 or per_token_s <= 0:
+    of the step; None where there is nothing to weigh (no per-token cost, or no overhead given).
+    A fit with no fixed cost gets the floor, as one with next to none does: a run of floor-sized
+    chunks can fit a base of 0 on a noisy machine, and returning None there lifted the cap in the
+    middle of a prompt (a 419-token step after a 32-token one, in test_chunk_cap under CI)."""
+    if overhead <= 0 or per_token_s <= 0:
         return None
-    return max(MIN_CHUNK_TOKENS, math.ceil(base_s * (1 - overhead) / (overhead * per_token_s) - 1e-9))
+    return max(MIN_CHUNK_TOKENS, math.ceil(max(0.0, base_s) * (1 - overhead) / (overhead * per_token_s) - 1e-9))

@@ -156,9 +156,9 @@ def test_chunk_cap_bounds_every_steps_prompt_tokens():
     assert efficient_chunk(0.035, 0.005, 0.05) == 133
     step = 0.035 + 0.005 * 133
     assert 0.035 / step <= 0.05 < 0.035 / (step - 0.005)
-    assert efficient_chunk(0.0, 0.005, 0.05) is None and efficient_chunk(0.035, 0.0, 0.05) is None
-    assert efficient_chunk(0.035, 0.005, 0.0) is None
+    assert efficient_chunk(0.035, 0.0, 0.05) is None and efficient_chunk(0.035, 0.005, 0.0) is None
     assert efficient_chunk(0.0001, 0.005, 0.05) == 32  # the floor: a fit with next to no base
+    assert efficient_chunk(0.0, 0.005, 0.05) == 32  # and one with none: the cap stays on
 
     sched = Scheduler(BlockManager(400, 4, prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=512)
     doc = Sequence("doc", list(range(1000)), SamplingParams())
