@@ -175,7 +175,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pause-for-remote-prefill", action="store_true",
                    help="decode worker whose prefill workers borrow its CPU (--borrow-idle-cpus; up --pin-cpus "
                         "sets it): leave that CPU to a short remote prefill of its own while its one or two "
-                        "streams are ahead of --itl-target's pace (their per-request ITL stays within it)")
+                        "streams are ahead of --itl-target's pace, in pauses between steps that keep each gap between "
+                        "two tokens within the target")
     g.add_argument("--drain-timeout", type=parse_seconds, default=300.0,
                    help="on SIGTERM: how long to let requests in flight finish before exiting")
     g.add_argument("--revision", default="",

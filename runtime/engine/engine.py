@@ -395,8 +395,9 @@ class LLMEngine:
             if s.uncomputed > 1:
                 return 0.0
             if s.status is Status.RUNNING and s.first_token_time is not None:
-                streams.append((len(s.output_ids), now - s.first_token_time))
-        return pause_for_remote(target, streams, remote)
+                last = s.last_token_time or s.first_token_time
+                streams.append((len(s.output_ids), now - s.first_token_time, now - last))
+        return pause_for_remote(target, streams, remote, self.step_cost.predict(len(streams)))
 
     def chunk_tokens(self) -> int | None:
         """The most prompt tokens a step carries by EngineConfig.chunk_overhead (None: no cap)."""

@@ -88,10 +88,9 @@ MIN_PROMPT_TOKENS = 8
 STEP_AIM = 0.8
 
 
-# Longest a decode worker pauses its streams for a remote prefill (`pause_for_remote`), in ITL
-# targets; and the longest estimated round trip it pauses for at all: a chat's prompt on one core
-# (~250 ms for 64 tokens on the 2-core AVX2 machine), not a document's.
-MAX_PAUSE = 2.0
+# The longest estimated round trip a decode worker pauses for at all (`pause_for_remote`), in ITL
+# targets: a chat's prompt on one core (~250 ms for 64 tokens on the 2-core AVX2 machine), not a
+# document's.
 MAX_PAUSED_PREFILL = 5.0
 # Most streams a pause holds up: it trades each one's wait for one prompt's first token, a trade
 # that pays for a stream or two at low load, not for a batch. With any batch paused, decode-heavy
@@ -107,19 +106,26 @@ def pace_slack(target_s: float, streams: list[tuple[int, float]]) -> float:
     return min(n * target_s - elapsed for n, elapsed in streams) - (1 - STEP_AIM) * target_s
 
 
-def pause_for_remote(target_s: float, streams: list[tuple[int, float]], remote: list[tuple[float, float]]) -> float:
+def pause_for_remote(target_s: float, streams: list[tuple[int, float, float]], remote: list[tuple[float, float]],
+                     step_s: float) -> float:
     """Seconds a split decode worker leaves its CPU idle before its next step, for a prefill
     worker that borrows that CPU (`phasesplit up --pin-cpus`) and is computing a prompt for it:
-    a chat's prefill on both cores instead of one, as a colocated engine's would be, while the
-    streams wait as they would there. `remote`: each remote prefill in flight as (seconds its
-    round trip was estimated to take, seconds it has run). Only while every one of them fits
-    MAX_PAUSED_PREFILL targets (a long prompt's prefill is not worth stopping the streams for), and
-    within the streams' pace (`pace_slack`): they wait only what they are ahead by, and at most
-    MAX_PAUSE targets; and only for at most MAX_PAUSED_STREAMS streams. 0: step."""
+    a chat's prefill on both cores instead of one, as a colocated engine's would be.
+    `streams`: each running stream as (tokens out, seconds since its first token, seconds since
+    its last); `remote`: each remote prefill in flight as (seconds its round trip was estimated to
+    take, seconds it has run); `step_s`: the next decode step's estimated length.
+    Only while every remote prefill fits MAX_PAUSED_PREFILL targets (a long prompt's prefill is not
+    worth stopping the streams for), for at most MAX_PAUSED_STREAMS streams, and never so long
+    that a stream's gap between two tokens outgrows the target (STEP_AIM of it, with the step that
+    ends the gap) or a stream falls behind the target's pace (`pace_slack`). So a long prefill
+    gets the CPU in pauses between steps, each gap within the target: pausing it whole (up to two
+    targets) took split's ITL p99 from ~100 ms to 143-183 ms in the heavy interference case.
+    0: step now."""
     if not streams or len(streams) > MAX_PAUSED_STREAMS or not remote or any(est > MAX_PAUSED_PREFILL * target_s for est, _ in remote):
         return 0.0
     left = max(est - ran for est, ran in remote)
-    return max(0.0, min(left, MAX_PAUSE * target_s - max(ran for _, ran in remote), pace_slack(target_s, streams)))
+    gap = STEP_AIM * target_s - max(since_last for *_, since_last in streams) - step_s
+    return max(0.0, min(left, gap, pace_slack(target_s, [(n, elapsed) for n, elapsed, _ in streams])))
 
 
 @dataclass(frozen=True)

@@ -392,9 +392,9 @@ def test_reservation_is_held_while_a_frame_lands():
 def test_a_decode_worker_pauses_for_its_short_remote_prefill_while_its_stream_is_ahead():
     """LLMEngine.remote_pause (what the engine thread waits before a step): a remote prefill in
     flight, estimated short, and a stream ahead of the ITL pace -> wait what is left of the
-    estimate; no pause without the setting, without a remote prefill the connector stamped, or
-    while a prompt waits to be prefilled here (it would be held up too). The target is 10 s, so
-    the stream is ahead of it on any machine."""
+    estimate, each gap between two tokens within the target; no pause without the setting,
+    without a remote prefill the connector stamped, or while a prompt waits to be prefilled here
+    (it would be held up too). The target is 10 s, so the stream is ahead of it on any machine."""
     from phasesplit.runtime.engine.engine import EngineConfig, LLMEngine
     from phasesplit.runtime.engine.model_runner import RunnerConfig
     from phasesplit.runtime.request import SamplingParams
@@ -413,6 +413,8 @@ def test_a_decode_worker_pauses_for_its_short_remote_prefill_while_its_stream_is
     assert 0 < pause <= 5.0
     time.sleep(0.05)
     assert engine.remote_pause() < pause, "what is left of the estimate"
+    b.remote_estimate_s = 40.0  # a long one: paused for between steps, each gap within the target
+    assert 0 < engine.remote_pause() < 0.8 * 10.0 - (time.monotonic() - engine.seqs["a"].last_token_time)
     engine.add_request("c", list(range(1, 30)), SamplingParams(max_tokens=4))
     assert engine.remote_pause() == 0, "a prompt waits here"
     engine.step()  # c's prompt computed (or started): no pause while it is in chunks either

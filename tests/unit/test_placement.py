@@ -210,9 +210,9 @@ def test_a_prompt_step_figure_from_a_slow_moment_fades_once_decode_steps_are_qui
 def test_a_decode_worker_pauses_for_a_short_remote_prefill_only_within_its_streams_pace():
     """LLMEngine.remote_pause's rule (step_costs.pause_for_remote): leave the CPU to a chat's
     remote prefill while every stream is ahead of the ITL target's pace, for what is left of the
-    prefill's estimate, never longer than MAX_PAUSE targets nor what the slowest stream saved."""
+    prefill's estimate, never so long that a gap between two tokens outgrows the target, nor
+    longer than what the slowest stream saved."""
     from phasesplit.runtime.engine.step_costs import (
-        MAX_PAUSE,
         MAX_PAUSED_PREFILL,
         MAX_PAUSED_STREAMS,
         STEP_AIM,
@@ -220,29 +220,35 @@ def test_a_decode_worker_pauses_for_a_short_remote_prefill_only_within_its_strea
         pause_for_remote,
     )
 
-    target = 0.1
-    ahead = (50, 0.6)  # 50 tokens out 0.6 s after its first: 4.4 s ahead of a 100 ms pace
-    on_pace = (10, 0.99)  # 10 tokens in 0.99 s: 10 ms of its next gap left, under the 20 ms margin
-    assert pace_slack(target, [ahead]) == pytest.approx(50 * target - 0.6 - (1 - STEP_AIM) * target)
-    assert pace_slack(target, [ahead, on_pace]) < 0
-    # A 150 ms prefill just called: wait all of it; 100 ms into it: the 50 ms left.
-    assert pause_for_remote(target, [ahead], [(0.15, 0.0)]) == pytest.approx(0.15)
-    assert pause_for_remote(target, [ahead], [(0.15, 0.1)]) == pytest.approx(0.05)
-    # A slower one: at most MAX_PAUSE targets from its call, however far ahead the streams are.
-    assert pause_for_remote(target, [ahead], [(0.45, 0.0)]) == pytest.approx(MAX_PAUSE * target)
-    assert pause_for_remote(target, [ahead], [(0.45, MAX_PAUSE * target)]) == 0
+    target, step = 0.1, 0.02
+    gap = STEP_AIM * target - step  # the longest pause right after a step: 60 ms
+    ahead = (50, 0.6, 0.0)  # 50 tokens out 0.6 s after its first, the last just now: 4.4 s ahead of pace
+    on_pace = (10, 0.99, 0.0)  # 10 tokens in 0.99 s: 10 ms of its next gap left, under the 20 ms margin
+    assert pace_slack(target, [ahead[:2]]) == pytest.approx(50 * target - 0.6 - (1 - STEP_AIM) * target)
+    assert pace_slack(target, [ahead[:2], on_pace[:2]]) < 0
+    # A 50 ms prefill just called: wait all of it; 30 ms into it: the 20 ms left.
+    assert pause_for_remote(target, [ahead], [(0.05, 0.0)], step) == pytest.approx(0.05)
+    assert pause_for_remote(target, [ahead], [(0.05, 0.03)], step) == pytest.approx(0.02)
+    # A longer one gets the CPU between steps: each pause ends in time for the step that ends the
+    # gap within the target, however far ahead the streams are; a gap already that long: step.
+    assert pause_for_remote(target, [ahead], [(0.45, 0.0)], step) == pytest.approx(gap)
+    assert pause_for_remote(target, [(50, 0.6, 0.04)], [(0.45, 0.1)], step) == pytest.approx(gap - 0.04)
+    assert pause_for_remote(target, [(50, 0.6, gap)], [(0.45, 0.2)], step) == pytest.approx(0)
+    assert pause_for_remote(target, [ahead, (50, 0.6, 0.05)], [(0.45, 0.0)], step) == pytest.approx(gap - 0.05)
+    # A slower step leaves less of the gap to pause in.
+    assert pause_for_remote(target, [ahead], [(0.45, 0.0)], 0.05) == pytest.approx(STEP_AIM * target - 0.05)
     # A document's (estimated past MAX_PAUSED_PREFILL targets): the streams go on, as do they
     # beside a chat's when another remote prefill in flight is a document's.
     doc = (MAX_PAUSED_PREFILL * target + 0.01, 0.0)
-    assert pause_for_remote(target, [ahead], [doc]) == 0
-    assert pause_for_remote(target, [ahead], [(0.15, 0.0), doc]) == 0
+    assert pause_for_remote(target, [ahead], [doc], step) == 0
+    assert pause_for_remote(target, [ahead], [(0.05, 0.0), doc], step) == 0
     # A stream on pace (or behind) is never held up; a young one only as far as it saved.
-    assert pause_for_remote(target, [ahead, on_pace], [(0.15, 0.0)]) == 0
-    young = (2, 0.05)  # 2 tokens in 50 ms: 2 × 100 ms - 50 ms - the 20 ms margin = 130 ms
-    assert pause_for_remote(target, [young], [(0.2, 0.0)]) == pytest.approx(0.13)
+    assert pause_for_remote(target, [ahead, on_pace], [(0.05, 0.0)], step) == 0
+    young = (1, 0.03, 0.03)  # its first token 30 ms ago: 100 ms - 30 ms - the 20 ms margin = 50 ms
+    assert pause_for_remote(target, [young], [(0.2, 0.0)], 0.0) == pytest.approx(0.05)
     # A batch is not held up for one prompt: at most MAX_PAUSED_STREAMS streams are.
-    assert pause_for_remote(target, [ahead] * MAX_PAUSED_STREAMS, [(0.15, 0.0)]) == pytest.approx(0.15)
-    assert pause_for_remote(target, [ahead] * (MAX_PAUSED_STREAMS + 1), [(0.15, 0.0)]) == 0
+    assert pause_for_remote(target, [ahead] * MAX_PAUSED_STREAMS, [(0.05, 0.0)], step) == pytest.approx(0.05)
+    assert pause_for_remote(target, [ahead] * (MAX_PAUSED_STREAMS + 1), [(0.05, 0.0)], step) == 0
     # Nothing to pause for, or nobody to pause: step.
-    assert pause_for_remote(target, [ahead], []) == 0
-    assert pause_for_remote(target, [], [(0.15, 0.0)]) == 0
+    assert pause_for_remote(target, [ahead], [], step) == 0
+    assert pause_for_remote(target, [], [(0.05, 0.0)], step) == 0
