@@ -373,7 +373,8 @@ class DecodeSpec(PhaseSpec):
                               "say the first token comes sooner and no decode step would outgrow slo.itl, else on a "
                               "prefill worker (localPrefillThreshold still forces short prompts local); and the "
                               "router sends a whole request to a prefill worker with nothing to prefill that carries "
-                              "two requests fewer than the decode worker, so every core decodes a decode-heavy mix.")
+                              "two requests fewer than the decode worker while that worker's steps near slo.itl (40 % of "
+                              "it), so every core decodes a decode-heavy mix.")
 
 
 class SecretKeyRef(ApiModel):

@@ -205,7 +205,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "prefill them; the operator sets it when prefill scales to zero)")
     g.add_argument("--lend-idle-prefill", action="store_true",
                    help="router: send a whole request (prefill and decode) to a prefill worker with nothing to "
-                        "prefill when it carries two requests fewer than the best decode worker, so a decode-heavy "
+                        "prefill when it carries two requests fewer than the best decode worker and that worker's "
+                        "next step nears its ITL target (40 %% of it, where it reports both), so a decode-heavy "
                         "mix decodes on every core (those streams share the prefill worker's steps with its "
                         "remote prefills, as colocated streams do)")
     g.add_argument("--worker-read-timeout", type=parse_seconds, default=30.0,

@@ -150,6 +150,9 @@ class LLMEngine:
         # the AVX2 core 2 decode rows + 8 prompt tokens took 110 ms against 35 ms for the 2 alone,
         # and a fit through both kinds of step put that step at 80).
         self.prompt_step_cost = LinearCost()
+        # And of steps with no prompt token, by decode rows: how near its ITL target this worker's
+        # batch runs (the router lends a prefill worker requests only past a share of it).
+        self.decode_step_cost = LinearCost()
 
     @property
     def max_model_len(self) -> int:
@@ -274,6 +277,13 @@ class LLMEngine:
                 "waiting_tokens": sched.waiting_tokens, "queued_tokens": sched.waiting_tokens + partial,
                 "allocated_blocks": self.blocks.num_allocated, "free_blocks": self.blocks.num_free,
                 "total_blocks": self.blocks.num_blocks}
+
+    def next_decode_step_s(self) -> float | None:
+        """Seconds a decode step of the running batch and one stream more is fitted to take;
+        None before a decode-only step ran here."""
+        if not self.decode_step_cost.count:
+            return None
+        return self.decode_step_cost.predict(len(self.scheduler.running) + 1)
 
     # -- split mode, decode side: results of the remote prefill (runtime/disagg/decode.py) ------
 
@@ -460,6 +470,7 @@ class LLMEngine:
             self.prompt_step_cost.observe(batch.num_tokens, seconds)
         else:  # unmeasured meanwhile: every step's fit, kept fresh, gains on it (step_costs.STALE_HALFLIFE)
             self.prompt_step_cost.fade()
+            self.decode_step_cost.observe(batch.num_tokens, seconds)
         self.observer.on_step(batch, seconds)
         return outputs
 

@@ -140,6 +140,7 @@ class RemoteBackend:
         w.queued_tokens = s["queued_tokens"]
         w.revision = s.get("revision", "")
         w.takes_requests = bool(s.get("takes_requests"))
+        w.next_step_s, w.itl_target_s = s.get("next_step_s"), s.get("itl_target_s")
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
                        ) -> AsyncIterator[RequestOutput]:

@@ -34,6 +34,9 @@ class Worker:
     last_seen: float = 0.0
     revision: str = ""  # the worker's --revision ("" where none was given: pairs with "" only)
     takes_requests: bool = False  # a prefill worker that serves whole requests too (lend_prefill)
+    # A decode worker's fitted step with one stream more, and its ITL target (None: not reported).
+    next_step_s: float | None = None
+    itl_target_s: float | None = None
 
 
 @dataclass
@@ -112,6 +115,13 @@ def load(w: Worker) -> int:
 # which then runs on both cores; lent, the prompt got one (a chat's first token ~1.4x later than
 # colocated's at 0.25-0.375 req/s, docs/benchmarks.md).
 LEND_MARGIN = 2
+# ... and only when the decode worker's step with one stream more is fitted to take at least this
+# share of its ITL target: a lent stream shares the prefill worker's steps with the prompts that
+# arrive after it, a document's chunks of a second and more on one AVX2 core, so lending to a
+# decode worker far inside its target gains nothing and gambles the lent stream's ITL (in the heavy
+# interference benchmark, three streams at ~23 ms a step: one lent stream of 31 had gaps of 1-1.8 s,
+# split's ITL p99 496 ms against 114 in a run that lent none).
+LEND_BUSY = 0.4
 
 
 def lend_prefill(prefill: Pool, decode: Worker, exclude: set[str] | frozenset[str] = frozenset()) -> Worker | None:
@@ -122,12 +132,15 @@ def lend_prefill(prefill: Pool, decode: Worker, exclude: set[str] | frozenset[st
     3 req/s of 64/128-token requests, two colocated replicas as much as colocated). So a prefill
     worker with nothing to prefill (no prompt queued or part-way, this router's own picks since
     the last poll included) takes the request when it carries LEND_MARGIN fewer requests than
-    the decode worker picked for it, or more; otherwise the decode worker keeps it.
+    the decode worker picked for it, or more, and the decode worker's next step is fitted to take
+    LEND_BUSY of its ITL target or more (where it reports both); otherwise the decode worker keeps it.
     A lent stream shares the prefill worker's steps with the remote prefills that arrive after it,
     as a colocated engine's streams share theirs with prompts: that is the price, and why only an
     idle worker is lent. The prompt it adds counts as queued there, so remote prefills rank it
     behind idler workers and the next lend waits for a poll that finds it idle again.
     """
+    if decode.itl_target_s and decode.next_step_s is not None and decode.next_step_s < LEND_BUSY * decode.itl_target_s:
+        return None  # the decode worker is no bottleneck
     idle = [w for w in prefill.live() if w.takes_requests and w.queued_tokens == 0 and w.url not in exclude]
     if not idle:
         return None

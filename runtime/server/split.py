@@ -221,6 +221,8 @@ def build_decode_app(args: argparse.Namespace) -> FastAPI:
         return {**engine.state(), "kv_port": receiver.port, "kv_rejected": receiver.rejected,
                 "kv_refused": receiver.refused, "kv_mismatched": receiver.mismatched,
                 "kv_connections": receiver.connections, "revision": args.revision, "kv_layout": layout,
+                # How near its ITL target a step with one more stream would run (routing.lend_prefill).
+                "next_step_s": engine.next_decode_step_s(), "itl_target_s": engine.config.itl_target_s,
                 "placement_costs": dict(zip(("local_base_s", "local_per_token_s", "remote_base_s",
                                              "remote_per_token_s"), connector.costs(), strict=True))}
 

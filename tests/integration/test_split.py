@@ -146,6 +146,12 @@ def test_adaptive_placement_equals_colocated(colocated, logs, prompts):
         # Every local placement is a local prefill too (the older counter stays consistent).
         assert float(_sample(m, names.LOCAL_PREFILL)) == sum(local.values())
         assert float(_sample(m, names.KV_BYTES)) > 0
+        # What the router's lending reads (routing.lend_prefill): the target, and the fitted step
+        # once decode-only steps ran.
+        state = httpx.get(decode.url + "/internal/state", headers=INTERNAL, timeout=5).json()
+        assert state["itl_target_s"] == pytest.approx(target, abs=1e-4)
+        complete(router.url, chats[0], max_tokens=8)
+        assert httpx.get(decode.url + "/internal/state", headers=INTERNAL, timeout=5).json()["next_step_s"] > 0
         assert wait_no_blocks(decode.url)["allocated_blocks"] == 0
     finally:
         for p in (router, decode, prefill):

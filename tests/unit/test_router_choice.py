@@ -192,6 +192,27 @@ def test_lend_only_an_idle_prefill_worker_that_carries_less():
     assert lend_prefill(pool(idle), d) is None
 
 
+def test_lend_only_to_relieve_a_decode_worker_near_its_itl_target():
+    """A decode worker that reports its ITL target and fitted step is lent for only while a step
+    with one stream more takes LEND_BUSY of the target or more: far inside it, a lent stream gains
+    nothing and risks the long prompts the prefill worker gets next."""
+    from phasesplit.runtime.server.routing import LEND_BUSY
+
+    d = Worker("http://d", True, running=4, itl_target_s=0.1, next_step_s=0.023)
+    idle = Worker("http://p", True, takes_requests=True)
+    assert lend_prefill(pool(idle), d) is None
+    d.next_step_s = LEND_BUSY * 0.1
+    assert lend_prefill(pool(idle), d) is idle
+    # The margin still holds, and a worker that reports neither (static placement, an older
+    # one) or has no decode step fitted yet is weighed by the margin alone.
+    d.running = 1
+    assert lend_prefill(pool(idle), d) is None
+    d.running = 4
+    for target, step in ((None, 0.023), (0.1, None)):
+        d.itl_target_s, d.next_step_s = target, step
+        assert lend_prefill(pool(idle), d) is idle
+
+
 def test_lent_requests_balance_a_decode_heavy_stream():
     """Requests arriving one per poll, each finishing after eight arrivals: with lending the
     decode worker carries about half, and a prefill worker given a prompt is not lent another
