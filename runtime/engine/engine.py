@@ -150,8 +150,9 @@ class LLMEngine:
         # the AVX2 core 2 decode rows + 8 prompt tokens took 110 ms against 35 ms for the 2 alone,
         # and a fit through both kinds of step put that step at 80).
         self.prompt_step_cost = LinearCost()
-        # And of steps with no prompt token, by decode rows: how near its ITL target this worker's
-        # batch runs (the router lends a prefill worker requests only past a share of it).
+        # And of steps with no prompt token, by decode rows: the step that ends a pause for a
+        # remote prefill (remote_pause), and how near its ITL target this worker's batch runs
+        # (the router lends a prefill worker requests only past a share of it).
         self.decode_step_cost = LinearCost()
 
     @property
@@ -407,7 +408,7 @@ class LLMEngine:
             if s.status is Status.RUNNING and s.first_token_time is not None:
                 last = s.last_token_time or s.first_token_time
                 streams.append((len(s.output_ids), now - s.first_token_time, now - last))
-        return pause_for_remote(target, streams, remote, self.step_cost.predict(len(streams)))
+        return pause_for_remote(target, streams, remote, self.decode_step_cost.predict(len(streams)))
 
     def chunk_tokens(self) -> int | None:
         """The most prompt tokens a step carries by EngineConfig.chunk_overhead (None: no cap)."""
