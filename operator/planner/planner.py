@@ -387,6 +387,9 @@ class Planner:
         # requests that waited in it (the replicas ordered for it are serving or on their way), so
         # a miss with no queue left is that backlog's past, not a model that is off.
         prefill_recovered = self.prefill_backlog_before and not prefill_backlog
+        # Backlogged at both ends of the window: the pool was busy all through it, so what it
+        # served is what it can serve (_drain_prefill believes that over the model).
+        saturated = self.prefill_backlog_before and prefill_backlog and not decode_bound
         self.prefill_backlog_before = prefill_backlog
         missed_before, self.missed_before = self.missed_before, snap.ttft_p is not None and snap.ttft_p > cfg.ttft_s
         # Requests that waited for KV get their first tokens (late) for a while after the cache
@@ -409,7 +412,7 @@ class Planner:
                 # The queue is there to see: size for draining it, not for the size of the miss. The
                 # TTFT of a window is the past (requests that already waited); what more replicas
                 # can change is the queue that is left when they are up.
-                want, why = self._drain_prefill(snap, plan_rate, current["prefill"])
+                want, why = self._drain_prefill(snap, plan_rate, current["prefill"], saturated)
                 if want > rec_p:
                     rec_p, why_p, urgent["prefill"] = want, f"{miss}; {why}", True
             elif (not decode_bound and not kv_past and not (snap.decode_waiting or 0) > 0 and not carried
@@ -512,26 +515,38 @@ class Planner:
                           self.model.scv(cfg.prompt_scv), cfg.percentile)
         return max(t - floor, 0.0) / (cfg.ttft_s - floor)
 
-    def _drain_prefill(self, snap: MetricsSnapshot, rate: float, current: int) -> tuple[int, str]:
+    def _drain_prefill(self, snap: MetricsSnapshot, rate: float, current: int,
+                       saturated: bool = False) -> tuple[int, str]:
         """Prefill replicas that drain the queue a new replica would still find when it is up.
 
         Replicas ordered now serve one start-up (plus an interval) from now. By then the ready
         replicas have worked on the queue while arrivals added to it; only what is left then,
         drained within one interval on top of the arrivals, needs replicas beyond the current
         count. A queue the serving replicas clear before then asks for nothing more.
+
+        `saturated`: the pool was backlogged all through the window, so the prompt tokens it
+        served per replica are its capacity. Where that is below the model's (a prior far off,
+        and calibration waits for healthy windows), the measurement sizes the drain: the model
+        would otherwise see a queue that never shrinks as one that drains by itself.
         """
         cfg, prof = self.config, self.model.prefill
         isl = snap.mean_prompt_tokens or 0.0
         queue = snap.prefill_queue_tokens or 0.0
         arriving = rate * isl
         ready = snap.ready_prefill or current
+        capacity, measured = prof.tokens_per_s, ""
+        if saturated and snap.prompt_token_rate and ready:
+            served = snap.prompt_token_rate / ready
+            if served < capacity:
+                capacity = served
+                measured = f" at the {served:.0f} tok/s/replica a backlogged pool served (model: {prof.tokens_per_s:.0f})"
         lead = cfg.startup_s + cfg.interval_s
-        left = queue + (arriving - ready * prof.tokens_per_s) * lead
+        left = queue + (arriving - ready * capacity) * lead
         if left <= 0:
             return 0, f"backlog {queue:.0f} tok drains on {ready} serving replicas before more could start"
-        want = math.ceil((arriving + left / cfg.interval_s) / prof.tokens_per_s)
+        want = math.ceil((arriving + left / cfg.interval_s) / capacity)
         return want, (f"backlog {queue:.0f} tok grows to {left:.0f} by the time replicas ordered now are up; "
-                      f"draining it within {cfg.interval_s:.0f}s")
+                      f"draining it within {cfg.interval_s:.0f}s{measured}")
 
     def _bottlenecks(self, snap: MetricsSnapshot) -> tuple[bool, bool]:
         """(prefill backlogged, decode KV-bound) from the queues of the window's end.

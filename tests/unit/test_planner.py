@@ -269,6 +269,28 @@ def test_ttft_miss_with_a_backlog_sizes_for_the_queue_left_when_new_replicas_are
     assert "backlog" in d.prefill.reason
 
 
+def test_a_backlog_that_never_drains_refutes_a_prior_that_says_it_will():
+    # The live test's case on a fast CPU: the prior says 9000 tok/s a replica, the one replica
+    # serves 2016 (what it can: its queue never empties) while a 5376-token queue stands and TTFT
+    # misses 6x. By the model the queue drains by itself. One backlogged window end could be a
+    # burst that just arrived, so it is believed; backlogged at both ends, the window's served
+    # rate is the replica's capacity and sizes the drain.
+    planner = Planner(PlannerConfig(ttft_s=0.5, interval_s=5.0, prefill=PhaseLimits(1, 4)), frozen_model())
+    current = {"prefill": 1, "decode": 1}
+    window = dict(rate=5.25, isl=384.0, osl=16.0, ttft_p=3.0, prefill_queue_tokens=5376.0, ready_prefill=1,
+                  ready_decode=1, window_s=5.0)
+    d = planner.plan(snap(0, **window), current, 0)
+    assert d.prefill.desired == 1, d.prefill.reason
+    d = planner.plan(snap(5, **window), current, 5)
+    assert d.prefill.desired == math.ceil((2016 + 5376 / 5) / 2016), d.prefill.reason
+    assert "backlogged pool served" in d.prefill.reason
+    # A window between them that ended with the queue gone makes the next backlog a new one.
+    planner = Planner(PlannerConfig(ttft_s=0.5, interval_s=5.0, prefill=PhaseLimits(1, 4)), frozen_model())
+    planner.plan(snap(0, **window), current, 0)
+    planner.plan(snap(5, **dict(window, prefill_queue_tokens=0.0, ttft_p=0.3)), current, 5)
+    assert planner.plan(snap(10, **window), current, 10).prefill.desired == 1
+
+
 def test_ttft_miss_left_by_a_drained_prefill_backlog_buys_nothing():
     # The code trace's cold start: a backlog window orders replicas; the next window's queue is
     # gone but its TTFT still holds the requests that waited in it. Scaling that miss ×2 (the
