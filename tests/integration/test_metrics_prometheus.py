@@ -130,7 +130,11 @@ def test_pod_scrape_and_prometheus_see_the_same_window(runtime, prometheus):
     assert snap.decode_running == 0 and 0 <= snap.kv_usage <= 1
     assert (snap.ready_prefill, snap.ready_decode) == (1, 1)
 
-    time.sleep(3 * SCRAPE_S)  # let Prometheus take a sample after the last request
+    # Let Prometheus take samples after the last request, enough of them that rate()'s
+    # extrapolation to the window's edges (up to about a scrape interval in all: the window is
+    # scaled by its length over the span its samples cover) stays well inside the tolerance
+    # below. With 3 s here, a fast CPU (8 requests in ~1 s) had a 6 s window and saw 11 of 8.
+    time.sleep(10 * SCRAPE_S)
     window = time.time() - start + 2 * SCRAPE_S
     prom = PrometheusSource(prometheus, model, window_s=window, percentile=0.9)
     psnap = asyncio.run(prom.collect())
