@@ -613,6 +613,8 @@ class Controller:
                                    self._http, startup=self.startup_times(key))
         for err in result.errors:
             log.debug("%s/%s metrics: %s", *key, err)
+        # What the planner saw, every step (--log-level debug): the status keeps only the decision.
+        log.debug("%s/%s planner window: %s", *key, result.snapshot)
         self.telemetry.decided(*key, spec.model.name, result.decision, result.snapshot)
         generation = rec.meta.get("generation")
         before = rec.autoscaling or {}

@@ -158,10 +158,12 @@ def test_load_step_scales_up_within_two_intervals_and_down_after_the_window(
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    # The load step: more than one CPU process serves, so queues and TTFT blow up.
+    # The load step: more than one CPU process serves, so queues and TTFT blow up (and the
+    # runtime answers what exceeds its admission limit with 429). It arrives for 15 s, three
+    # intervals: a step, not a blip that a fast CPU drains before two windows have seen it.
     bench = subprocess.Popen(
         [sys.executable, "-m", "phasesplit.runtime.cli", "bench", "--url", runtime.url, "--model", model,
-         "--workload", "fixed", "--input-len", "384", "--output-len", "16", "--num-prompts", "60",
+         "--workload", "fixed", "--input-len", "384", "--output-len", "16", "--num-prompts", "150",
          "--request-rate", "10", "--warmup", "0", "--no-progress", "--output-json", str(tmp_path / "bench.json")],
         stdout=open(tmp_path / "bench.log", "wb"), stderr=subprocess.STDOUT)
     try:
