@@ -17,7 +17,7 @@ class MetricsSnapshot:
     timestamp: float  # end of the window, seconds (any epoch; compared with `now`)
     window_s: float
     request_rate: float | None = None  # requests arriving at the router per second
-    prompt_token_rate: float | None = None  # prompt tokens per second (prefill work arriving)
+    prompt_token_rate: float | None = None  # prompt tokens prefilled per second (counted as prefills finish)
     generation_token_rate: float | None = None  # generated tokens per second
     ttft_p: float | None = None  # router-side TTFT at the SLO percentile
     ttft_mean: float | None = None

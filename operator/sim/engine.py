@@ -344,6 +344,7 @@ class Simulation:
         if r.draining and r.idle():
             r.removed = now
         for p in done:
+            self.w_prefilled += self.out[p.i].isl
             # KV leaves layer by layer while later layers compute, so only the part of the transfer
             # that outlasts the compute (at least the last layer's share) delays the first token.
             isl = self.out[p.i].isl
@@ -451,6 +452,7 @@ class Simulation:
         self.w_start = now
         self.w_arrivals = 0
         self.w_prompt = 0
+        self.w_prefilled = 0
         self.w_gen = 0.0
         self.w_ttft: list[float] = []
         self.w_itl: list[tuple[float, float]] = []
@@ -476,7 +478,10 @@ class Simulation:
         return MetricsSnapshot(
             timestamp=now, window_s=window,
             request_rate=self.w_arrivals / window,
-            prompt_token_rate=self.w_prompt / window,
+            # The runtime counts prompt tokens as their prefills finish (server/metrics.py), not as
+            # they arrive: a saturated pool's counter advances at its capacity, which the planner
+            # learns from (model.bound_prefill); counted at arrival here, it read as a slow pool.
+            prompt_token_rate=self.w_prefilled / window,
             generation_token_rate=self.w_gen / window,
             ttft_p=quantile(self.w_ttft, self.percentile),
             ttft_mean=sum(self.w_ttft) / len(self.w_ttft) if self.w_ttft else None,

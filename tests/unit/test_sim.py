@@ -100,6 +100,22 @@ def test_router_queue_counts_as_prefill_backlog_in_the_snapshot():
     assert snap.prefill_waiting >= 20
 
 
+def test_a_saturated_pools_prompt_counter_reads_its_capacity_not_the_arrivals():
+    # As the runtime counts them (prefills finished): 30 prompts of 3000 tokens arrive at once on
+    # one 9000 tok/s replica; in the first 2 s window it prefills about 6 of them, not 30.
+    reqs = [Request(0.01 * k, 3000, 2) for k in range(30)]
+    seen = []
+
+    def watch(snap, current, now):
+        seen.append(snap)
+        return current
+
+    Simulation(reqs, P, watch, {"prefill": 1, "decode": 1}, 2.0, 0.5, 0.05, duration=4).run()
+    rate = seen[0].prompt_token_rate
+    assert P.prefill_tokens_per_s * 0.8 <= rate <= P.prefill_tokens_per_s
+    assert seen[0].mean_prompt_tokens == pytest.approx(3000)  # the size histogram: at arrival
+
+
 def test_trace_reader_handles_azure_datetimes_and_scales(tmp_path):
     f = tmp_path / "t.csv"
     f.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
