@@ -75,6 +75,7 @@ class PerfModel:
     scv_samples: int = 0
     smoothing: float = 0.3  # weight of a new window's estimate (in log space)
     min_requests: int = 20  # windows with fewer requests say too little to calibrate on
+    bound_ratio: float = 0.8  # a busy pool serving below this share of the estimate lowers it
 
     def step_time(self, batch: float, context: float) -> float:
         return self.decode_scale * self.decode.step_time(batch, context)
@@ -134,6 +135,36 @@ class PerfModel:
             if abs(self.decode_scale / old - 1) > 0.05:
                 notes.append(f"decode step scale {old:.2f}→{self.decode_scale:.2f}")
         return notes
+
+    def bound_prefill(self, snap: MetricsSnapshot) -> list[str]:
+        """Lower the prefill estimate to what a pool busy all through the window served.
+
+        Calibration inverts latencies of healthy windows only, so a prior far above the truth is
+        never corrected by the overload it causes: its model sees a queue that never shrinks as
+        one that drains by itself. A pool queued through a whole window served at its capacity,
+        though, so the prompts it served per replica are a measurement of that capacity (a bound
+        from above), applied at once rather than blended. Only a clear shortfall counts (served
+        below `bound_ratio` of the estimate): near the estimate, the window's idle moments and
+        the per-request overhead are the difference. The caller decides the pool was busy;
+        healthy windows raise the estimate again (calibrate's lower bound and inversion).
+        """
+        isl, ready = snap.mean_prompt_tokens, snap.ready_prefill
+        if not isl or not ready or not snap.prompt_token_rate:
+            return []
+        served_requests = snap.prompt_token_rate * snap.window_s / isl
+        # A counter over a busy window measures throughput to about one request's worth: fewer
+        # requests than calibration needs (which inverts a noisy latency model) suffice.
+        if served_requests < self.min_requests / 2:
+            return []
+        per_request_s = ready * isl / snap.prompt_token_rate - self.prefill.overhead_s
+        if per_request_s <= 0:
+            return []
+        measured = isl / per_request_s  # the token rate that, with the overhead, gives what was served
+        old = self.prefill.tokens_per_s
+        if measured >= self.bound_ratio * old:
+            return []
+        self.prefill = replace(self.prefill, tokens_per_s=measured)
+        return [f"prefill capacity {old:.0f}→{measured:.0f} tok/s, what a pool queued all window served"]
 
     def _fit_scv(self, servers: int, rate: float, isl: float, observed: float, percentile: float) -> float | None:
         prof = self.prefill

@@ -119,6 +119,8 @@ class Planner:
     decode_bound_before: bool = False
     kv_short_at: float | None = None  # the newest window that ended with decode KV-bound
     prefill_backlog_before: bool = False  # the previous window ended with a prefill backlog
+    queue_before: float = 0.0  # prompt tokens queued for prefill at the previous window's end
+    ready_prefill_before: int | None = None  # prefill replicas serving at the previous window's end
     missed_before: bool = False  # the previous window missed the TTFT target
     pace: str | None = None  # "sudden"/"gradual": how the remembered bursts rose (bursts.Headroom)
 
@@ -278,10 +280,23 @@ class Planner:
         if snap is None or now - snap.timestamp > cfg.stale_after or snap.request_rate is None:
             return self._hold(snap, current, now, limits)
         self.stale_windows = 0
+        # Prompts queued for prefill at both ends of a window that missed its TTFT target, the
+        # queue held (it did not drain by more than a prompt: arrivals kept pace with the pool),
+        # and decode did not hold it back: the pool was busy all through the window, so what it
+        # served bounds its capacity (a prior far too high would otherwise see that queue drain by
+        # itself, and never learn otherwise: calibration below waits for healthy windows).
+        # The same replicas at both ends, too: one that came up mid-window served part of it.
+        queue, isl = snap.prefill_queue_tokens or 0.0, snap.mean_prompt_tokens or 0.0
+        busy = (isl > 0 and min(queue, self.queue_before) >= isl and queue >= self.queue_before - isl
+                and snap.ttft_p is not None and snap.ttft_p > cfg.ttft_s
+                and snap.ready_prefill == self.ready_prefill_before and not self._bottlenecks(snap)[1])
+        self.queue_before, self.ready_prefill_before = queue, snap.ready_prefill
+        calibration = self.model.bound_prefill(snap) if busy else []
         # Calibrate on healthy windows only: in a window that missed, TTFT holds waits (for KV,
         # behind a backlog) the model does not describe, and would teach it a wrong capacity.
         healthy = (snap.ttft_p is None or snap.ttft_p <= cfg.ttft_s) and not any(self._bottlenecks(snap))
-        calibration = self.model.calibrate(snap, cfg.prompt_scv, cfg.kv_high, cfg.percentile) if healthy else []
+        if healthy:
+            calibration += self.model.calibrate(snap, cfg.prompt_scv, cfg.kv_high, cfg.percentile)
 
         self.sizes.observe(snap.request_rate * snap.window_s, snap.mean_prompt_tokens, snap.mean_generated_tokens)
         short = (snap.ttft_p is not None and snap.ttft_p > cfg.ttft_s) or any(self._bottlenecks(snap))
@@ -387,9 +402,6 @@ class Planner:
         # requests that waited in it (the replicas ordered for it are serving or on their way), so
         # a miss with no queue left is that backlog's past, not a model that is off.
         prefill_recovered = self.prefill_backlog_before and not prefill_backlog
-        # Backlogged at both ends of the window: the pool was busy all through it, so what it
-        # served is what it can serve (_drain_prefill believes that over the model).
-        saturated = self.prefill_backlog_before and prefill_backlog and not decode_bound
         self.prefill_backlog_before = prefill_backlog
         missed_before, self.missed_before = self.missed_before, snap.ttft_p is not None and snap.ttft_p > cfg.ttft_s
         # Requests that waited for KV get their first tokens (late) for a while after the cache
@@ -412,7 +424,7 @@ class Planner:
                 # The queue is there to see: size for draining it, not for the size of the miss. The
                 # TTFT of a window is the past (requests that already waited); what more replicas
                 # can change is the queue that is left when they are up.
-                want, why = self._drain_prefill(snap, plan_rate, current["prefill"], saturated)
+                want, why = self._drain_prefill(snap, plan_rate, current["prefill"])
                 if want > rec_p:
                     rec_p, why_p, urgent["prefill"] = want, f"{miss}; {why}", True
             elif (not decode_bound and not kv_past and not (snap.decode_waiting or 0) > 0 and not carried
@@ -515,38 +527,27 @@ class Planner:
                           self.model.scv(cfg.prompt_scv), cfg.percentile)
         return max(t - floor, 0.0) / (cfg.ttft_s - floor)
 
-    def _drain_prefill(self, snap: MetricsSnapshot, rate: float, current: int,
-                       saturated: bool = False) -> tuple[int, str]:
+    def _drain_prefill(self, snap: MetricsSnapshot, rate: float, current: int) -> tuple[int, str]:
         """Prefill replicas that drain the queue a new replica would still find when it is up.
 
         Replicas ordered now serve one start-up (plus an interval) from now. By then the ready
         replicas have worked on the queue while arrivals added to it; only what is left then,
         drained within one interval on top of the arrivals, needs replicas beyond the current
         count. A queue the serving replicas clear before then asks for nothing more.
-
-        `saturated`: the pool was backlogged all through the window, so the prompt tokens it
-        served per replica are its capacity. Where that is below the model's (a prior far off,
-        and calibration waits for healthy windows), the measurement sizes the drain: the model
-        would otherwise see a queue that never shrinks as one that drains by itself.
         """
         cfg, prof = self.config, self.model.prefill
         isl = snap.mean_prompt_tokens or 0.0
         queue = snap.prefill_queue_tokens or 0.0
         arriving = rate * isl
         ready = snap.ready_prefill or current
-        capacity, measured = prof.tokens_per_s, ""
-        if saturated and snap.prompt_token_rate and ready:
-            served = snap.prompt_token_rate / ready
-            if served < capacity:
-                capacity = served
-                measured = f" at the {served:.0f} tok/s/replica a backlogged pool served (model: {prof.tokens_per_s:.0f})"
+        capacity = prof.tokens_per_s
         lead = cfg.startup_s + cfg.interval_s
         left = queue + (arriving - ready * capacity) * lead
         if left <= 0:
             return 0, f"backlog {queue:.0f} tok drains on {ready} serving replicas before more could start"
         want = math.ceil((arriving + left / cfg.interval_s) / capacity)
         return want, (f"backlog {queue:.0f} tok grows to {left:.0f} by the time replicas ordered now are up; "
-                      f"draining it within {cfg.interval_s:.0f}s{measured}")
+                      f"draining it within {cfg.interval_s:.0f}s")
 
     def _bottlenecks(self, snap: MetricsSnapshot) -> tuple[bool, bool]:
         """(prefill backlogged, decode KV-bound) from the queues of the window's end.

@@ -269,26 +269,45 @@ def test_ttft_miss_with_a_backlog_sizes_for_the_queue_left_when_new_replicas_are
     assert "backlog" in d.prefill.reason
 
 
-def test_a_backlog_that_never_drains_refutes_a_prior_that_says_it_will():
+def test_a_queue_that_stands_through_a_missed_window_teaches_the_model_its_capacity():
     # The live test's case on a fast CPU: the prior says 9000 tok/s a replica, the one replica
     # serves 2016 (what it can: its queue never empties) while a 5376-token queue stands and TTFT
-    # misses 6x. By the model the queue drains by itself. One backlogged window end could be a
-    # burst that just arrived, so it is believed; backlogged at both ends, the window's served
-    # rate is the replica's capacity and sizes the drain.
-    planner = Planner(PlannerConfig(ttft_s=0.5, interval_s=5.0, prefill=PhaseLimits(1, 4)), frozen_model())
+    # misses 6x. By the prior the queue drains by itself. One window end with a queue could be a
+    # burst that just arrived, so the prior is believed; queued at both ends, the window's served
+    # rate is the replica's capacity: the model learns it and the pool is sized from it.
+    def planner() -> Planner:
+        return Planner(PlannerConfig(ttft_s=0.5, interval_s=5.0, prefill=PhaseLimits(1, 4)),
+                       PerfModel(PrefillProfile(), DecodeProfile()))
+
     current = {"prefill": 1, "decode": 1}
     window = dict(rate=5.25, isl=384.0, osl=16.0, ttft_p=3.0, prefill_queue_tokens=5376.0, ready_prefill=1,
                   ready_decode=1, window_s=5.0)
-    d = planner.plan(snap(0, **window), current, 0)
-    assert d.prefill.desired == 1, d.prefill.reason
-    d = planner.plan(snap(5, **window), current, 5)
-    assert d.prefill.desired == math.ceil((2016 + 5376 / 5) / 2016), d.prefill.reason
-    assert "backlogged pool served" in d.prefill.reason
-    # A window between them that ended with the queue gone makes the next backlog a new one.
-    planner = Planner(PlannerConfig(ttft_s=0.5, interval_s=5.0, prefill=PhaseLimits(1, 4)), frozen_model())
-    planner.plan(snap(0, **window), current, 0)
-    planner.plan(snap(5, **dict(window, prefill_queue_tokens=0.0, ttft_p=0.3)), current, 5)
-    assert planner.plan(snap(10, **window), current, 10).prefill.desired == 1
+    p = planner()
+    d = p.plan(snap(0, **window), current, 0)
+    assert d.prefill.desired == 1 and p.model.prefill.tokens_per_s == 9000.0, d.prefill.reason
+    d = p.plan(snap(5, **window), current, 5)
+    # 26 prompts of 384 tokens in 5 s, less the 10 ms overhead each: 384 / (384/2016 - 0.01) tok/s.
+    capacity = 384 / (384 / 2016 - PrefillProfile().overhead_s)
+    assert p.model.prefill.tokens_per_s == pytest.approx(capacity)
+    assert "what a pool queued all window served" in d.prefill.reason
+    # Sized for the TTFT target at the measured capacity (a 384-token prompt now takes 190 ms of
+    # the 500: several replicas), at once: the queue is there to see.
+    assert d.prefill.desired > 2 and f"at {capacity:.0f} tok/s/replica" in d.prefill.reason, d.prefill.reason
+    # The model keeps it: the next backlog is sized from the measured capacity at once.
+    assert p.plan(snap(10, **window), d.desired, 10).prefill.desired >= 2
+    # A window between them that ended with the queue gone makes the next queue a new one.
+    p = planner()
+    p.plan(snap(0, **window), current, 0)
+    p.plan(snap(5, **dict(window, prefill_queue_tokens=0.0, ttft_p=0.3)), current, 5)
+    assert p.plan(snap(10, **window), current, 10).prefill.desired == 1
+    assert p.model.prefill.tokens_per_s > PerfModel(PrefillProfile(), DecodeProfile()).bound_ratio * 9000.0
+    # A pool serving near the estimate, or held back by decode KV that its running requests fill,
+    # teaches nothing.
+    for other in (dict(isl=384.0 * 4.0), dict(kv_usage=0.99, decode_waiting=8.0, decode_running=380.0)):
+        p = planner()
+        for t in (0, 5):
+            p.plan(snap(t, **dict(window, **other)), current, t)
+        assert p.model.prefill.tokens_per_s == 9000.0, other
 
 
 def test_ttft_miss_left_by_a_drained_prefill_backlog_buys_nothing():
