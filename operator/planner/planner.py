@@ -299,7 +299,9 @@ class Planner:
             calibration += self.model.calibrate(snap, cfg.prompt_scv, cfg.kv_high, cfg.percentile)
 
         self.sizes.observe(snap.request_rate * snap.window_s, snap.mean_prompt_tokens, snap.mean_generated_tokens)
-        short = (snap.ttft_p is not None and snap.ttft_p > cfg.ttft_s) or any(self._bottlenecks(snap))
+        # The queues at the window's end, against the model as calibrated now (nothing below changes it).
+        prefill_backlog, decode_bound = self._bottlenecks(snap)
+        short = (snap.ttft_p is not None and snap.ttft_p > cfg.ttft_s) or prefill_backlog or decode_bound
         plan_rate, surge, rising, memory_note = self.surge(now, snap.request_rate, short)
         # A steady rise (not a burst: the memory has none open) is sized where it will be when
         # replicas ordered now are up.
@@ -358,7 +360,6 @@ class Planner:
             why_p += note
             why_d += note
         urgent = {"prefill": False, "decode": False}
-        prefill_backlog, decode_bound = self._bottlenecks(snap)
         # The queueing model is FCFS; the runtime serves shortest remaining prompt first, so near
         # full utilisation the model overstates the TTFT tail (the fitted prompt SCV only matches it
         # at the loads it was fitted on). When every replica serves, nothing is queued and the TTFT
