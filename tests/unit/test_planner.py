@@ -300,7 +300,7 @@ def test_a_queue_that_stands_through_a_missed_window_teaches_the_model_its_capac
     p.plan(snap(0, **window), current, 0)
     p.plan(snap(5, **dict(window, prefill_queue_tokens=0.0, ttft_p=0.3)), current, 5)
     assert p.plan(snap(10, **window), current, 10).prefill.desired == 1
-    assert p.model.prefill.tokens_per_s > PerfModel(PrefillProfile(), DecodeProfile()).bound_ratio * 9000.0
+    assert p.model.prefill.tokens_per_s > p.model.bound_ratio * 9000.0
     # A pool serving near the estimate, or held back by decode KV that its running requests fill,
     # teaches nothing.
     for other in (dict(isl=384.0 * 4.0), dict(kv_usage=0.99, decode_waiting=8.0, decode_running=380.0)):
