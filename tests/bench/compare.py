@@ -82,6 +82,11 @@ PEER_WORKLOADS = {"mixed": [0.25, 0.5], "decode-heavy": [0.125, 0.25]}
 OURS = ("colocated", "split", "adaptive", "replicas")  # phasesplit's own systems, swept side by side
 SECONDS_PER_POINT = 30  # measured requests per point = rate x this, within [MIN, MAX]
 MIN_PROMPTS, MAX_PROMPTS = 8, 48
+# ...but arrivals last at least SPAN_TTFTS x the sweep SLO's TTFT target (at most SPAN_PROMPTS
+# requests): at a rate 1.5x a server's capacity its queue then outgrows the TTFT target before the
+# arrivals end. Without it a fast CPU served 48 requests at 21.6 req/s as one 2-second burst
+# within an 8 s TTFT, and rate x attainment rose without a knee.
+SPAN_TTFTS, SPAN_PROMPTS = 2.0, 400
 POINT_LIMIT_S = 120  # a point that has not finished by then is cut (an overloaded server)
 
 
@@ -234,8 +239,17 @@ class Server:
         self.log.close()
 
 
-def n_prompts(rate: float, scale: float) -> int:
-    return max(MIN_PROMPTS, min(MAX_PROMPTS, round(rate * SECONDS_PER_POINT * scale)))
+def n_prompts(rate: float, scale: float, ttft_s: float = 0.0) -> int:
+    """Requests of one point at `rate` under a TTFT target of `ttft_s` (see SPAN_TTFTS). Pure."""
+    n = max(MIN_PROMPTS, min(MAX_PROMPTS, round(rate * SECONDS_PER_POINT * scale)))
+    return max(n, min(SPAN_PROMPTS, math.ceil(rate * SPAN_TTFTS * ttft_s * scale)))
+
+
+def slo_ttft(spec: str) -> float:
+    """The TTFT target of an SLO spec in seconds, 0 without one. Pure."""
+    from phasesplit.runtime.bench.metrics import parse_slo
+
+    return parse_slo(spec).get("ttft", 0.0)
 
 
 def point_seed(workload: str, rate: float, rep: int) -> int:
@@ -420,8 +434,8 @@ def _unit(name: str, workload: str, rates: list[float] | None, rep: int, meta: d
                 meta["skipped"] = meta.get("skipped", []) + [f"{workload} @ {rate:g}/s run {rep} (time budget used up)"]
                 break
             out = results / f"{name}--{workload}--{rate:g}--{rep}.json"
-            cmd = bench_command(system, url, workload, rate, n_prompts(rate, scale), out, rep,
-                                first_slo(slos[workload]))
+            slo = first_slo(slos[workload])
+            cmd = bench_command(system, url, workload, rate, n_prompts(rate, scale, slo_ttft(slo)), out, rep, slo)
             print(f"[compare] {name} {workload} @ {rate:g}/s run {rep}", file=sys.stderr, flush=True)
             rc, err = run_point(cmd)
             meta["points"].append({"workload": workload, "rate": rate, "rep": rep, "json": out.name,
@@ -645,7 +659,9 @@ def render(results: Path, img_dir: Path) -> str:
          "Protocol: per workload, colocated (one worker on both cores) sweeps up from a low rate by "
          f"x{RATE_STEP:g} until its goodput falls past its knee (a point cut at {POINT_LIMIT_S} s or "
          f"under half its requests within the SLO, or, after three points, goodput under 0.8x its best; "
-         f"{MAX_SWEEP} points at most); split "
+         f"{MAX_SWEEP} points at most; a point is rate x {SECONDS_PER_POINT} s of requests within "
+         f"[{MIN_PROMPTS}, {MAX_PROMPTS}], but arrivals last at least {SPAN_TTFTS:g}x the TTFT target, so that "
+         "a rate past capacity builds a queue longer than that target); split "
          "(one prefill and one decode worker, one pinned core each: equal cores) serves the same rates and "
          "goes on until past its own knee. Both knees are then measured again by each system, taking turns, "
          f"{REPEATS} runs in all: a range `mean (min-max)` is over those runs.",

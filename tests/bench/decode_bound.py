@@ -13,7 +13,12 @@ engine's defaults (`LLMEngine('smollm2')`: dtype auto, the runtime's thread coun
              prompt + 129 tokens) - time(prompt + 1 token)), best of --repeats after a warm-up;
   neighbour  the same while another process spins on one of the CPUs the engine may use
              (`while True: pass`, pinned), so that "decode under a busy neighbour" is measured
-             against the idle figure of the same run.
+             against the idle figure of the same run;
+  paired     (--paired) one process taking turns: an engine step of the greedy request, then the
+             bound's read, 128 times; the medians of both and their ratio. The read speed of a
+             shared VM moves by a third within seconds (27-50 GB/s between reads a second apart
+             here), so the bound's best-of-7 read and a best-of-N decode run seconds apart measure
+             different machines; a pair a few ms apart measures one.
 
 Each configuration runs with the runtime's default sleeping OpenMP waits, with them but every
 step on all threads (the runner otherwise runs decode steps of a few sequences on one thread:
@@ -84,7 +89,32 @@ def worker(kind: str, dtype: str, repeats: int, out: Path, small_rule: bool) -> 
     res: dict = {"kind": kind, "threads": eng.runner.threads,
                  "dtype": " ".join([str(next(model.parameters()).dtype)] + layouts),
                  "weight_bytes": weight_bytes, "load1_before": load1()}
-    if kind == "bound":
+    if kind == "paired":
+        buf = torch.ones(weight_bytes // 4, dtype=torch.float32)
+        prompts = build_prompts(repeats, seed=17)
+        eng.generate(prompts["warmup"]["decode"][:1], SamplingParams(max_tokens=DECODE_TOKENS + 1, temperature=0,
+                                                                     ignore_eos=True))
+        steps, reads = [], []
+        for pair in prompts["decode"]:
+            eng.add_request(f"paired-{len(steps)}", pair[1],
+                            SamplingParams(max_tokens=DECODE_TOKENS + 1, temperature=0, ignore_eos=True))
+            eng.step()  # the prompt
+            while eng.groups:
+                t0 = time.perf_counter()
+                eng.step()
+                t1 = time.perf_counter()
+                buf.sum()
+                t2 = time.perf_counter()
+                steps.append(t1 - t0)
+                reads.append(t2 - t1)
+        steps.sort()
+        reads.sort()
+        res["step_s"], res["read_s"] = steps[len(steps) // 2], reads[len(reads) // 2]
+        res["pairs"] = len(steps)
+        res["ratio"] = res["read_s"] / res["step_s"]
+        res["tok_s"] = 1.0 / res["step_s"]
+        res["gb_s"] = weight_bytes / res["read_s"] / 1e9
+    elif kind == "bound":
         buf = torch.ones(weight_bytes // 4, dtype=torch.float32)
         times = []
         for _ in range(7):
@@ -147,6 +177,8 @@ def main() -> int:
                          "AVX512-BF16, else fp32 with bf16 projection weights where the AVX2 kernel runs)")
     ap.add_argument("--waits", default=",".join(WAITS),
                     help="which of the wait configurations to run (their names, separated by commas; default all)")
+    ap.add_argument("--paired", action="store_true",
+                    help="also the paired figure: engine steps and reads taking turns in one process")
     ap.add_argument("--json", type=Path, default=Path("/tmp/phasesplit-decode-bound.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -164,7 +196,8 @@ def main() -> int:
             bound = run("bound", extra, True, dtype, a.repeats, False, tmp)
             idle = run("decode", extra, small_rule, dtype, a.repeats, False, tmp)
             busy = run("decode", extra, small_rule, dtype, a.repeats, True, tmp)
-            rows.append({"dtype": dtype, "wait": wait, "bound": bound, "idle": idle, "busy": busy})
+            paired = run("paired", extra, small_rule, dtype, a.repeats, False, tmp) if a.paired else None
+            rows.append({"dtype": dtype, "wait": wait, "bound": bound, "idle": idle, "busy": busy, "paired": paired})
             print(f"--dtype {dtype}, {wait}: {bound['threads']} threads, {bound['dtype']}, "
                   f"{bound['weight_bytes'] / 1e6:.0f} MB of weights; read {bound['gb_s']:.1f} GB/s -> bound "
                   f"{bound['tok_s']:.1f} tok/s (load {bound['load1_before']})", flush=True)
@@ -173,6 +206,11 @@ def main() -> int:
             print(f"  decode beside a spinning neighbour {busy['tok_s']:.1f} tok/s {busy['runs']} = "
                   f"{busy['tok_s'] / idle['tok_s']:.2f} x idle (load {busy['load1_before']}-{busy['load1_after']})",
                   flush=True)
+            if paired:
+                print(f"  paired, idle: median step {paired['step_s'] * 1e3:.2f} ms ({paired['tok_s']:.1f} tok/s), "
+                      f"median read {paired['read_s'] * 1e3:.2f} ms ({paired['gb_s']:.1f} GB/s) over {paired['pairs']} "
+                      f"pairs = {paired['ratio']:.2f} x bound (load {paired['load1_before']}-{paired['load1_after']})",
+                      flush=True)
     first = rows[0]
     for r in rows[1:]:
         print(f"--dtype {r['dtype']}, {r['wait']}: idle {r['idle']['tok_s'] / first['idle']['tok_s']:.2f} x, beside a "

@@ -35,6 +35,14 @@ def test_prompts_per_point_are_bounded():
     assert compare.n_prompts(100.0, 1.0) == compare.MAX_PROMPTS
 
 
+def test_a_fast_rate_still_lasts_twice_the_ttft_target():
+    # 48 requests at 21.6 req/s arrive in 2.2 s: a burst an 8 s TTFT target never sees queued.
+    assert compare.n_prompts(21.6, 1.0, 8.0) == 346  # 16 s of arrivals
+    assert compare.n_prompts(2.0, 1.0, 8.0) == compare.MAX_PROMPTS  # 24 s already
+    assert compare.n_prompts(1000.0, 1.0, 8.0) == compare.SPAN_PROMPTS
+    assert compare.slo_ttft("ttft=8s,itl=150ms") == 8.0 and compare.slo_ttft("itl=50ms") == 0.0
+
+
 def _pts(*specs):
     return [compare.PointResult(rate, good, met, cut) for rate, good, met, cut in specs]
 
