@@ -76,6 +76,8 @@ WORKLOADS = {
 START_RATES = {"prefill-heavy": 0.25, "decode-heavy": 0.25, "mixed": 0.125, "azure-conv": 0.25}
 RATE_STEP = 1.5
 MAX_SWEEP = 12
+# The share of requests within the SLO a rate must keep to count as served (slo_capacity).
+ATTAINMENT_TARGET = 0.9
 REPEATS = 3
 # Peers at a subset of the same rates, so colocated has numbers beside theirs.
 PEER_WORKLOADS = {"mixed": [0.25, 0.5], "decode-heavy": [0.125, 0.25]}
@@ -108,6 +110,18 @@ def sweep_done(points: list[PointResult]) -> bool:
     if last.cut or last.attainment < 0.5 or len(points) >= MAX_SWEEP:
         return True
     return len(points) >= 3 and last.goodput < 0.8 * max(p.goodput for p in points)
+
+
+def slo_capacity(attainment: dict[float, float], target: float = ATTAINMENT_TARGET) -> tuple[float | None, bool]:
+    """The highest rate at which, and at every lower measured rate, at least `target` of the planned
+    requests met the SLO (DistServe's goodput), and whether the sweep ended still meeting it (then
+    the capacity is at least that). None: not even the lowest rate. Pure."""
+    best = None
+    for rate in sorted(attainment):
+        if attainment[rate] < target:
+            return best, False
+        best = rate
+    return best, True
 
 
 def knee(points: list[PointResult]) -> float | None:
@@ -571,6 +585,28 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x"
 
 
+def _capacities(data: dict, workload: str, names: list[str], slos: dict[str, str]) -> list[str]:
+    """Each system's slo_capacity under each SLO, side by side, with the ratio to the first."""
+    have = [n for n in names if any(w == workload for (w, _) in data.get(n, {}).get("points", {}))]
+    if len(have) < 2:
+        return []
+    parts = []
+    for label, slo in slos.items():
+        caps = {}
+        for name in have:
+            att = {r: sum(_goodput(run, slo)[1] for run in runs) / len(runs)
+                   for (w, r), runs in data[name]["points"].items() if w == workload}
+            caps[name] = slo_capacity(att)
+        shown = [f"{n} {'-' if c is None else ('>= ' if end else '') + f'{c:g}'}" for n, (c, end) in caps.items()]
+        (c0, e0), *rest = caps.values()
+        ratios = [("neither fell below it" if e and e0 else ("at least " if e else "") + _ratio(c, c0)
+                   + (" or less" if e0 and not e else "") + f" {have[0]}'s") for c, e in rest] if c0 else []
+        parts.append(f"{label}: {', '.join(shown)} req/s" + (f" ({', '.join(ratios)})" if ratios else ""))
+    return [f"Highest rate with at least {ATTAINMENT_TARGET:.0%} of requests within the SLO there and at every lower "
+            f"rate (mean over runs; rates x{RATE_STEP:g} apart, so a ratio is a whole number of steps): "
+            + "; ".join(parts) + ".", ""]
+
+
 def _verdicts(data: dict, workload: str, slos: dict[str, str], base: str = "colocated",
               name: str = "split") -> list[str]:
     """Plain statements from the numbers: `name` (split, or split with adaptive placement) against
@@ -694,6 +730,7 @@ def render(results: Path, img_dir: Path) -> str:
             L += ["SLOs: " + ", ".join(f"{k} `{v}`" for k, v in slos[workload].items()), ""]
         ours = [n for n in OURS if n in data]
         L += _table(data, workload, ours, slos[workload]) + [""]
+        L += _capacities(data, workload, ours, slos[workload])
         # Split against colocated first, then the opt-in systems where they were measured.
         for name, base, heading in (("split", "colocated", []),
                                     ("adaptive", "colocated", ["Split with adaptive placement against colocated:", ""]),

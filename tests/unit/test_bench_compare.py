@@ -125,3 +125,10 @@ def test_the_sweep_reads_goodput_as_the_offered_rate_met_not_the_runs_length(tmp
     assert short.goodput == long_.goodput == 0.5 and short.attainment == 1.0
     assert compare._point_result(point("c", 20.0, 0.4), 0.5, 0).goodput == 0.2
     assert compare._point_result(tmp_path / "missing", 0.5, 1).cut
+
+
+def test_capacity_is_the_last_rate_before_attainment_first_falls_below_the_target():
+    assert compare.slo_capacity({0.5: 1.0, 1.0: 0.95, 1.5: 0.6, 2.25: 0.92}) == (1.0, False)  # a lucky point after
+    assert compare.slo_capacity({0.5: 1.0, 1.0: 0.95}) == (1.0, True)  # never fell: at least 1.0
+    assert compare.slo_capacity({0.5: 0.5, 1.0: 1.0}) == (None, False)
+    assert compare.slo_capacity({}) == (None, True)
