@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -305,6 +305,16 @@ def slo_flags(slos: dict[str, dict[str, str]]) -> list[str]:
     return [x for f in flags for x in ("--slo", f)]
 
 
+def server_flags(name: str, slos: dict[str, str]) -> list[str]:
+    """Flags a system's server gets for one workload: a split's decode workers keep the tightest ITL
+    target the workload is judged by (--itl-target: their pauses for remote prefills, lending and
+    adaptive placement), as the operator renders spec.slo.itl; colocated has no such setting. Pure."""
+    from phasesplit.runtime.bench.metrics import parse_slo
+
+    itls = [t["itl"] for t in map(parse_slo, slos.values()) if t.get("itl")]
+    return ["--itl-target", f"{min(itls):g}"] if name in ("split", "adaptive") and itls else []
+
+
 def first_slo(slos: dict[str, str]) -> str:
     return next(iter(slos.values()))
 
@@ -431,6 +441,10 @@ def _unit(name: str, workload: str, rates: list[float] | None, rep: int, meta: d
     if not Path(system.command[0]).exists():
         meta["error"] = f"not installed ({system.command[0]} is missing; run hack/bench-peers.sh)"
         return done
+    flags = server_flags(name, slos[workload])
+    if flags:
+        system = replace(system, command=[*system.command, *flags])
+        meta.setdefault("server_flags", {})[workload] = flags
     meta["load_before"].append(round(wait_for_quiet(max_load, max_wait_s), 2))
     print(f"[compare] starting {name} for {workload} run {rep} (load {meta['load_before'][-1]}): "
           f"{shlex.join(system.command)}", file=sys.stderr, flush=True)
@@ -761,6 +775,8 @@ def render(results: Path, img_dir: Path) -> str:
                  "after its points (its own load included)")
         env = " ".join(f"{k}={v}" for k, v in meta["env"].items())
         L.append(f"  - server: `{(env + ' ') if env else ''}{_cmdline(meta['command'])}`")
+        for workload, flags in (meta.get("server_flags") or {}).items():
+            L.append(f"  - for {workload}: `{shlex.join(flags)}` (the tightest ITL target of its SLOs)")
         if meta["error"]:
             L.append(f"  - **did not run**: `{one_line(meta['error'])}`")
         if meta.get("skipped"):
