@@ -15,7 +15,8 @@ engine's defaults (`LLMEngine('smollm2')`: dtype auto, the runtime's thread coun
              (`while True: pass`, pinned), so that "decode under a busy neighbour" is measured
              against the idle figure of the same run;
   paired     (--paired) one process taking turns: an engine step of the greedy request, then the
-             bound's read, 128 times; the medians of both and their ratio. The read speed of a
+             bound's read, for each of the request's 128 decode steps, --repeats requests; the
+             medians of both and their ratio. The read speed of a
              shared VM moves by a third within seconds (27-50 GB/s between reads a second apart
              here), so the bound's best-of-7 read and a best-of-N decode run seconds apart measure
              different machines; a pair a few ms apart measures one.
