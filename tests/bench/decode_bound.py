@@ -90,15 +90,25 @@ def worker(kind: str, dtype: str, repeats: int, out: Path, small_rule: bool) -> 
     res: dict = {"kind": kind, "threads": eng.runner.threads,
                  "dtype": " ".join([str(next(model.parameters()).dtype)] + layouts),
                  "weight_bytes": weight_bytes, "load1_before": load1()}
-    if kind == "paired":
-        buf = torch.ones(weight_bytes // 4, dtype=torch.float32)
+    if kind != "bound":  # one greedy request's decode, after a warm-up
         prompts = build_prompts(repeats, seed=17)
-        eng.generate(prompts["warmup"]["decode"][:1], SamplingParams(max_tokens=DECODE_TOKENS + 1, temperature=0,
-                                                                     ignore_eos=True))
+        params = SamplingParams(max_tokens=DECODE_TOKENS + 1, temperature=0, ignore_eos=True)
+        eng.generate(prompts["warmup"]["decode"][:1], params)
+    if kind in ("bound", "paired"):  # a buffer of the weight bytes, read whole
+        buf = torch.ones(weight_bytes // 4, dtype=torch.float32)
+    if kind == "bound":
+        times = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            buf.sum()
+            times.append(time.perf_counter() - t0)
+        res["read_s"] = min(times)
+        res["gb_s"] = weight_bytes / min(times) / 1e9
+        res["tok_s"] = 1.0 / min(times)
+    elif kind == "paired":
         steps, reads = [], []
         for pair in prompts["decode"]:
-            eng.add_request(f"paired-{len(steps)}", pair[1],
-                            SamplingParams(max_tokens=DECODE_TOKENS + 1, temperature=0, ignore_eos=True))
+            eng.add_request(f"paired-{len(steps)}", pair[1], params)
             eng.step()  # the prompt
             while eng.groups:
                 t0 = time.perf_counter()
@@ -115,20 +125,7 @@ def worker(kind: str, dtype: str, repeats: int, out: Path, small_rule: bool) -> 
         res["ratio"] = res["read_s"] / res["step_s"]
         res["tok_s"] = 1.0 / res["step_s"]
         res["gb_s"] = weight_bytes / res["read_s"] / 1e9
-    elif kind == "bound":
-        buf = torch.ones(weight_bytes // 4, dtype=torch.float32)
-        times = []
-        for _ in range(7):
-            t0 = time.perf_counter()
-            buf.sum()
-            times.append(time.perf_counter() - t0)
-        res["read_s"] = min(times)
-        res["gb_s"] = weight_bytes / min(times) / 1e9
-        res["tok_s"] = 1.0 / min(times)
     else:
-        prompts = build_prompts(repeats, seed=17)
-        params = SamplingParams(max_tokens=DECODE_TOKENS + 1, temperature=0, ignore_eos=True)
-        eng.generate(prompts["warmup"]["decode"][:1], params)
         vals = []
         for pair in prompts["decode"]:
             t0 = time.perf_counter()
