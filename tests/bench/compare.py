@@ -144,6 +144,7 @@ class System:
     tokenizer: str = "smollm2"  # --tokenizer for the bench: the same vocabulary in every engine
     start_timeout: float = 300.0
     version: str = ""
+    itl_target: bool = False  # its decode workers take --itl-target (a split; server_flags)
 
 
 def free_port() -> int:
@@ -165,14 +166,15 @@ def systems(port: int) -> dict[str, System]:
     common = ["--port", str(port), "--log-level", "warning"]
     return {
         "split": System("split", "phasesplit split (1 prefill + 1 decode, one core each)",
-                        [PHASESPLIT, "up", "--pin-cpus", *common]),
+                        [PHASESPLIT, "up", "--pin-cpus", *common], itl_target=True),
         "colocated": System("colocated", "phasesplit colocated (one worker, both cores)",
                             [PHASESPLIT, "up", "--colocated", *common]),
         # Opt-in (--systems ...,adaptive): split whose decode worker prefills a prompt itself when that
         # gives the first token sooner (short prompts, a queued prefill worker) within the ITL target.
         "adaptive": System("adaptive", "phasesplit split with adaptive placement (1 prefill + 1 decode, one core "
                            "each; the decode worker prefills a prompt itself when that is sooner)",
-                           [PHASESPLIT, "up", "--pin-cpus", "--prefill-placement", "adaptive", *common]),
+                           [PHASESPLIT, "up", "--pin-cpus", "--prefill-placement", "adaptive", *common],
+                           itl_target=True),
         # Opt-in (--systems ...,replicas): the other equal-cores baseline, one engine per core as a
         # GPU deployment runs one per device, so a lone request's prefill also gets one core.
         "replicas": System("replicas", "phasesplit colocated replicas (2 workers behind the router, one core each)",
@@ -305,14 +307,14 @@ def slo_flags(slos: dict[str, dict[str, str]]) -> list[str]:
     return [x for f in flags for x in ("--slo", f)]
 
 
-def server_flags(name: str, slos: dict[str, str]) -> list[str]:
+def server_flags(system: System, slos: dict[str, str]) -> list[str]:
     """Flags a system's server gets for one workload: a split's decode workers keep the tightest ITL
     target the workload is judged by (--itl-target: their pauses for remote prefills, lending and
     adaptive placement), as the operator renders spec.slo.itl; colocated has no such setting. Pure."""
     from phasesplit.runtime.bench.metrics import parse_slo
 
     itls = [t["itl"] for t in map(parse_slo, slos.values()) if t.get("itl")]
-    return ["--itl-target", f"{min(itls):g}"] if name in ("split", "adaptive") and itls else []
+    return ["--itl-target", f"{min(itls):g}"] if system.itl_target and itls else []
 
 
 def first_slo(slos: dict[str, str]) -> str:
@@ -441,7 +443,7 @@ def _unit(name: str, workload: str, rates: list[float] | None, rep: int, meta: d
     if not Path(system.command[0]).exists():
         meta["error"] = f"not installed ({system.command[0]} is missing; run hack/bench-peers.sh)"
         return done
-    flags = server_flags(name, slos[workload])
+    flags = server_flags(system, slos[workload])
     if flags:
         system = replace(system, command=[*system.command, *flags])
         meta.setdefault("server_flags", {})[workload] = flags

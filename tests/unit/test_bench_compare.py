@@ -136,7 +136,8 @@ def test_capacity_is_the_last_rate_before_attainment_first_falls_below_the_targe
 
 def test_a_split_is_told_the_tightest_itl_target_it_is_judged_by():
     slos = {"standard": "ttft=8s,itl=150ms", "tight ITL": "ttft=4s,itl=75ms"}
-    assert compare.server_flags("adaptive", slos) == ["--itl-target", "0.075"]
-    assert compare.server_flags("split", slos) == ["--itl-target", "0.075"]
-    assert compare.server_flags("colocated", slos) == []
-    assert compare.server_flags("split", {"standard": "ttft=2s"}) == []
+    systems = compare.systems(0)
+    assert compare.server_flags(systems["adaptive"], slos) == ["--itl-target", "0.075"]
+    assert compare.server_flags(systems["split"], slos) == ["--itl-target", "0.075"]
+    assert compare.server_flags(systems["colocated"], slos) == []
+    assert compare.server_flags(systems["split"], {"standard": "ttft=2s"}) == []
