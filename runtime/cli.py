@@ -209,6 +209,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "next step nears its ITL target (40 %% of it, where it reports both), so a decode-heavy "
                         "mix decodes on every core (those streams share the prefill worker's steps with its "
                         "remote prefills, as colocated streams do)")
+    g.add_argument("--worker-poll-interval", type=parse_seconds, default=0.5,
+                   help="router: how often it reads each worker's state (load, KV blocks, readiness); a "
+                        "worker that went away meanwhile is found by the first request that cannot reach "
+                        "it, which then waits for another")
     g.add_argument("--worker-read-timeout", type=parse_seconds, default=30.0,
                    help="router: seconds a decode worker may stay silent mid-request (it sends a keepalive "
                         "line every 2 s while a request waits) before the request fails and the worker is "

@@ -31,7 +31,7 @@ from phasesplit.runtime.disagg.messages import GenerateCall
 from phasesplit.runtime.engine.grammar import GrammarError, grammar_text
 from phasesplit.runtime.model.files import ModelFiles, model_info, read_config
 from phasesplit.runtime.model.tokenizer import TextTokenizer
-from phasesplit.runtime.request import Overloaded, RequestError, RequestOutput, SamplingParams
+from phasesplit.runtime.request import Overloaded, RequestError, RequestOutput, SamplingParams, Unavailable
 from phasesplit.runtime.server.admission import Admission, Ticket
 from phasesplit.runtime.server.held import HeldQueue
 from phasesplit.runtime.server.metrics import Metrics
@@ -46,6 +46,12 @@ from phasesplit.runtime.server.routing import (
 )
 
 log = logging.getLogger(__name__)
+
+# A request tries this many times to reach a worker whose connection failed before it gives up with
+# 503: a connect that failed started nothing, so trying again (elsewhere, or once a poll finds the
+# worker back) is safe; a bound keeps a dead pool from looping.
+MAX_UNREACHED = 3
+UNREACHED_RETRY_AFTER_S = 2
 
 
 class RemoteBackend:
@@ -80,7 +86,7 @@ class RemoteBackend:
                                 max_keepalive_connections=self.per_worker), headers=internal)
         self.poll_client = httpx.AsyncClient(timeout=httpx.Timeout(2.0), limits=httpx.Limits(max_connections=32),
                                              headers=internal)
-        self.poll_interval = 0.5
+        self.poll_interval = args.worker_poll_interval
         self.lend = args.lend_idle_prefill  # whole requests to idle prefill workers (routing.lend_prefill)
         self.polled = False  # a first round of polls has ended: `live()` means something
 
@@ -146,6 +152,7 @@ class RemoteBackend:
                        ) -> AsyncIterator[RequestOutput]:
         arrival = time.monotonic()  # TTFT as the client sees it: a held request's wait included
         tried: set[str] = set()
+        unreached = 0
         while True:
             await self.held.wait(lambda: missing_phase(self.decode, self.prefill, self.need_prefill, tried))
             worker = pick_decode(self.decode, exclude=tried,
@@ -165,6 +172,15 @@ class RemoteBackend:
             except _Draining:
                 target.up = False  # until a poll finds it ready again
                 log.info("worker %s is draining; trying another", target.url)
+            except _Unreached as e:
+                # Marked down (in _generate_on) until a poll finds it up again; not excluded, so a
+                # lone worker that was only slow to accept gets the request once it is back, while
+                # the held queue bounds the wait.
+                unreached += 1
+                if unreached >= MAX_UNREACHED:
+                    raise Unavailable(f"{e} ({unreached} tries); retry later", UNREACHED_RETRY_AFTER_S) from None
+                tried.discard(target.url)
+                log.warning("%s; trying again", e)
             except (Overloaded, RuntimeError):
                 if lent is None or started:
                     raise
@@ -229,6 +245,10 @@ class RemoteBackend:
             raise RuntimeError(f"{role} {worker.url} closed the stream before the request finished")
         except httpx.PoolTimeout:  # every connection to the workers is busy: the router is full
             raise Overloaded("the router has no free connection to a decode worker; retry later") from None
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+            # Refused or not accepted in time: gone, or starved. Nothing started on it.
+            worker.up = False
+            raise _Unreached(f"{role} {worker.url} could not be reached: {str(e) or type(e).__name__}") from None
         except httpx.HTTPError as e:
             # Dead, or hung past the read timeout: routed around until the next successful poll.
             log.warning("%s %s failed: %s", role, worker.url, str(e) or type(e).__name__)
@@ -238,6 +258,10 @@ class RemoteBackend:
 
 class _Draining(Exception):
     """The decode worker refused the request because it is shutting down."""
+
+
+class _Unreached(Exception):
+    """The connection to the worker failed: the request never reached it."""
 
 
 def slice_urls(obj) -> list[str]:

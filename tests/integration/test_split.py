@@ -356,6 +356,36 @@ def test_kill_decode_worker_mid_stream(logs, prompts):
             p.stop()
 
 
+def test_a_request_that_cannot_reach_its_decode_worker_waits_for_one_instead_of_failing(logs, prompts):
+    """The only decode worker dies between two polls of the router: the requests routed to it find
+    the connection refused. Nothing started there, so the router holds them until a worker is up at
+    that address again and they complete, where they used to fail with 503 "decode worker ...
+    failed" (as they did under overload, when the router's connect timed out)."""
+    decode = serve("decode", logs, *FP32)  # no prefill pool: it prefills every prompt itself
+    port = int(decode.url.rsplit(":", 1)[1])
+    # Polls far apart, so that the requests below reach the dead worker before a poll finds it down.
+    router = serve("router", logs, *FP32, "--decode-urls", decode.url, "--hold-timeout", "120s",
+                   "--worker-poll-interval", "5s")
+    decode2 = None
+    try:
+        decode.wait_ready()
+        router.wait_ready()
+        want = complete(router.url, prompts[0], max_tokens=8)["choices"][0]["text"]
+        decode.kill()  # the router still counts it up until its next poll, up to 5 s from now
+        with ThreadPoolExecutor(4) as ex:
+            sent = [ex.submit(complete, router.url, prompts[0], 8) for _ in range(4)]
+            time.sleep(1.0)  # the sends land on the dead worker or in the held queue; then it comes back
+            decode2 = serve("decode", logs, *FP32, port=port)
+            got = [f.result()["choices"][0]["text"] for f in sent]
+        assert got == [want] * 4
+        # Not vacuous: they found the dead worker (no poll had marked it down yet).
+        assert "could not be reached" in router.tail(20000), router.tail()
+    finally:
+        for p in (decode, decode2, router):
+            if p is not None:
+                p.stop()
+
+
 def test_reservation_is_held_while_a_frame_lands():
     """A remote request aborted while a K/V frame is still being received into its blocks: the
     blocks stay allocated (no other request can get them) until the receiver reports the frame's
