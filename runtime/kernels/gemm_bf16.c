@@ -28,16 +28,7 @@ static void rows_block(const uint16_t *x, const uint16_t *wp, const uint16_t *re
         const uint16_t *rr = res ? res + r * out_cols : 0;
         void *yr = out_f32 ? (void *)((float *)y + r * out_cols) : (void *)((uint16_t *)y + r * out_cols);
         long left = M - r;
-        switch (left >= ROWS ? ROWS : left) {
-#if ROWS >= 6
-        case 6: block(xr, K, wp, ts, rr, yr, out_cols, N, K, out_f32, t, two, act, 6); break;
-        case 5: block(xr, K, wp, ts, rr, yr, out_cols, N, K, out_f32, t, two, act, 5); break;
-#endif
-        case 4: block(xr, K, wp, ts, rr, yr, out_cols, N, K, out_f32, t, two, act, 4); break;
-        case 3: block(xr, K, wp, ts, rr, yr, out_cols, N, K, out_f32, t, two, act, 3); break;
-        case 2: block(xr, K, wp, ts, rr, yr, out_cols, N, K, out_f32, t, two, act, 2); break;
-        default: block(xr, K, wp, ts, rr, yr, out_cols, N, K, out_f32, t, two, act, 1); break;
-        }
+        block_rows(xr, K, wp, ts, rr, yr, out_cols, N, K, out_f32, t, two, act, left >= ROWS ? ROWS : left);
     }
 }
 

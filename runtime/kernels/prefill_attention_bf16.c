@@ -45,15 +45,10 @@ static inline void product(const uint16_t *x, long xs, const uint16_t *wp, long 
                            long N, long K, int out_f32) {
     const long tiles = (N + 15) / 16;
     for (long t = 0; t < tiles; t += 2)
-        for (long r = 0; r < M; r += 4) {
+        for (long r = 0; r < M; r += ROWS) {
             const uint16_t *xr = x + r * xs;
             void *yr = out_f32 ? (void *)((float *)y + r * ys) : (void *)((uint16_t *)y + r * ys);
-            switch (M - r >= 4 ? 4 : M - r) {
-            case 4: block(xr, xs, wp, ts, 0, yr, ys, N, K, out_f32, t, t + 1 < tiles, 0, 4); break;
-            case 3: block(xr, xs, wp, ts, 0, yr, ys, N, K, out_f32, t, t + 1 < tiles, 0, 3); break;
-            case 2: block(xr, xs, wp, ts, 0, yr, ys, N, K, out_f32, t, t + 1 < tiles, 0, 2); break;
-            default: block(xr, xs, wp, ts, 0, yr, ys, N, K, out_f32, t, t + 1 < tiles, 0, 1); break;
-            }
+            block_rows(xr, xs, wp, ts, 0, yr, ys, N, K, out_f32, t, t + 1 < tiles, 0, M - r >= ROWS ? ROWS : M - r);
         }
 }
 
