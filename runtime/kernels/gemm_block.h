@@ -92,11 +92,15 @@ static inline __attribute__((always_inline)) void block(const uint16_t *x, long 
 static inline __attribute__((always_inline)) void block_rows(const uint16_t *x, long xs, const uint16_t *wp,
                                                              long ts, const uint16_t *res, void *y, long ys, long N,
                                                              long K, int out_f32, long t, int two, int act, long M) {
-    switch (M) {
+    switch (M) { /* only cases up to ROWS: block()'s accumulator arrays hold ROWS rows */
+#if ROWS >= 8
     case 8: block(x, xs, wp, ts, res, y, ys, N, K, out_f32, t, two, act, 8); break;
     case 7: block(x, xs, wp, ts, res, y, ys, N, K, out_f32, t, two, act, 7); break;
+#endif
+#if ROWS >= 6
     case 6: block(x, xs, wp, ts, res, y, ys, N, K, out_f32, t, two, act, 6); break;
     case 5: block(x, xs, wp, ts, res, y, ys, N, K, out_f32, t, two, act, 5); break;
+#endif
     case 4: block(x, xs, wp, ts, res, y, ys, N, K, out_f32, t, two, act, 4); break;
     case 3: block(x, xs, wp, ts, res, y, ys, N, K, out_f32, t, two, act, 3); break;
     case 2: block(x, xs, wp, ts, res, y, ys, N, K, out_f32, t, two, act, 2); break;

@@ -8,7 +8,7 @@
 // scale or layout overhead of the kernels themselves.
 //
 // Usage (an AVX512-VNNI + AVX512-BF16 CPU):
-//   gcc -O3 -funroll-loops -o /tmp/dot_peak tests/bench/dot_peak.c && taskset -c 1 /tmp/dot_peak
+//   gcc -O3 -o /tmp/dot_peak tests/bench/dot_peak.c && taskset -c 1 /tmp/dot_peak
 #include <immintrin.h>
 #include <stdio.h>
 #include <time.h>
