@@ -62,30 +62,31 @@ static inline int hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(a);
 }
 
-// One activation row -> int8 blocks q, their scales d and sum(q) (for the Q4 offsets, and the
+// One activation block (32 values) -> int8 q, its scale d and sum(q) (for the Q4 offsets, and the
 // X16 kernel's unsigned weights).
-static void quantize_row(const float *x, long k, int8_t *q, float *d, float *s) {
+static inline void quantize_block(const float *xb, int8_t *q, float *d, float *s) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (long b = 0; b < k / QK; b++) {
-    const float *xb = x + b * QK;
-    __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
-    __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
-    __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
-                                _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
-    const float mx = hmax_ps(amax);
-    const float db = mx / 127.0f;
-    const __m256 inv = _mm256_set1_ps(mx > 0.0f ? 127.0f / mx : 0.0f);
-    // Round to nearest (the default MXCSR mode), as ggml does.
-    __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
-    __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
-    const int sum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3)));
-    // The packs work per 128-bit lane; the permute puts the 4-byte groups back in order.
-    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
-    _mm256_storeu_si256((__m256i *)(q + b * QK), _mm256_permutevar8x32_epi32(p, order));
-    d[b] = db;
-    s[b] = (float)sum;
-  }
+  __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
+  __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
+  __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                              _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+  const float mx = hmax_ps(amax);
+  const float db = mx / 127.0f;
+  const __m256 inv = _mm256_set1_ps(mx > 0.0f ? 127.0f / mx : 0.0f);
+  // Round to nearest (the default MXCSR mode), as ggml does.
+  __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
+  __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+  const int sum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3)));
+  // The packs work per 128-bit lane; the permute puts the 4-byte groups back in order.
+  __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+  _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(p, order));
+  *d = db;
+  *s = (float)sum;
+}
+
+static void quantize_row(const float *x, long k, int8_t *q, float *d, float *s) {
+  for (long b = 0; b < k / QK; b++) quantize_block(x + b * QK, q + b * QK, d + b, s + b);
 }
 
 // Dot products of one weight row (nb blocks of `type`) with R activation rows (stride k bytes
@@ -202,6 +203,7 @@ int ps_qgemm(const float *x, const uint8_t *w, const float *residual, float *out
   }
   float *d = ds, *s = ds + m * nb;
   const long tiles = (n + TILE_N - 1) / TILE_N;
+  const long per = type > X16 ? X16_PASS : 1;
   // One parallel region for both loops: a decode step of a few dozen rows makes ~120 of these
   // calls, and each region's start and end (a futex wake with passive waits) cost more than
   // quantizing the rows.
@@ -209,8 +211,13 @@ int ps_qgemm(const float *x, const uint8_t *w, const float *residual, float *out
   {
 #pragma omp for schedule(static)
     for (long i = 0; i < m; i++) quantize_row(x + i * k, k, q + i * k, d + i * nb, s + i * nb);
-#pragma omp for schedule(static)
-    for (long t = 0; t < tiles; t++) ps_q_tiles(type, w, row_bytes, t, t + 1, m, n, k, q, d, s, residual, out);
+    for (long i0 = 0; i0 < m; i0 += Q_ROW_BLOCK) {
+      const long mb = m - i0 < Q_ROW_BLOCK ? m - i0 : Q_ROW_BLOCK;
+#pragma omp for schedule(static) nowait
+      for (long u = 0; u < (tiles + per - 1) / per; u++)
+        ps_q_tiles(type, w, row_bytes, u * per, u * per + per < tiles ? u * per + per : tiles, mb, n, k, q + i0 * k,
+                   d + i0 * nb, s + i0 * nb, residual ? residual + i0 * n : NULL, out + i0 * n);
+    }
   }
   free(q);
   free(ds);
