@@ -41,7 +41,8 @@ SOURCES = tuple(Path(__file__).with_name(f) for f in ("gemm_bf16.c", "decode_att
                                                             "prefill_attention_bf16.c",
                                                             # the one-call decode step over them (cpu_decode_step.py)
                                                             "decode_step_bf16.c"))
-HEADERS = tuple(Path(__file__).with_name(f) for f in ("vec_math.h", "gemm_block.h", "decode_step.h", "attention_args.h"))
+HEADERS = tuple(Path(__file__).with_name(f) for f in ("vec_math.h", "gemm_block.h", "decode_step.h", "attention_args.h",
+                                                        "bf16_round.h"))
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-fopenmp", "-fPIC", "-shared"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
 
@@ -64,7 +65,7 @@ BF16 = Spec("phasesplit_kernels", SOURCES, HEADERS, tuple(FLAGS), CPU_FLAGS)
 # 16 rows to a tile; its functions are compiled for those instructions alone and only used where
 # the library says the CPU has them (ps_qx16_supported).
 QUANT = Spec("phasesplit_quant", (Path(__file__).with_name("quant_gemm.c"), Path(__file__).with_name("quant_x16.c")),
-             (Path(__file__).with_name("quant_blocks.h"),),
+             (Path(__file__).with_name("quant_blocks.h"), Path(__file__).with_name("bf16_round.h")),
              ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"), ("avx2", "fma", "f16c"))
 # bf16 weights with fp32 activations where AVX512-BF16 is missing (cpu_gemm_avx2.py): AVX2 + FMA.
 # With it, that matmul and the quantized one (quant_gemm.c again: the helpers call its tiles)
@@ -77,7 +78,8 @@ BF16W = Spec("phasesplit_bf16w", (Path(__file__).with_name("gemm_bf16w_avx2.c"),
                                   # step over them and the matmuls in one call (cpu_decode_step.py)
                                   Path(__file__).with_name("layer_f32_avx2.c"),
                                   Path(__file__).with_name("decode_step_f32.c")),
-             tuple(Path(__file__).with_name(f) for f in ("decode_step.h", "quant_blocks.h", "attention_args.h")),
+             tuple(Path(__file__).with_name(f) for f in ("decode_step.h", "quant_blocks.h", "attention_args.h",
+                                                                "bf16_round.h")),
              ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-pthread", "-fPIC", "-shared"), ("avx2", "fma", "f16c"))
 
 

@@ -9,7 +9,9 @@ largest value); the self-check bounds it.
 On CPUs with AVX512-VNNI the weights are repacked at load, 16 rows to a tile (`pack_x16`; the
 layout is described at the top of quant_x16.c), for a kernel that needs about a sixth of the
 instructions per weight; the bytes per weight stay the file's. PHASESPLIT_QUANT_X16=0 keeps the
-file's row layout (the previous kernel) for comparison.
+file's row layout (the previous kernel) for comparison. There, bf16 activations (prefill on
+AVX512-BF16 CPUs) go through one C call that widens, multiplies, adds the residual or applies
+SwiGLU, and rounds (ps_qx16_gemm_bf16) instead of torch's conversions around the fp32 kernel.
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ def declare(lib: ctypes.CDLL) -> None:
     fn.restype = ctypes.c_int
     lib.ps_qx16_supported.argtypes = []
     lib.ps_qx16_supported.restype = ctypes.c_int
+    fn = lib.ps_qx16_gemm_bf16
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    fn.restype = ctypes.c_int
 
 
 def x16_supported(lib: ctypes.CDLL) -> bool:
@@ -145,6 +150,8 @@ def matmul(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, qtype: int,
     ps_qgemm_shared): when torch runs one thread (the runner's decode steps of a few sequences),
     the call is shared with the decode helpers, if started; the same bits either way."""
     out_dtype = out_dtype or x.dtype
+    if _bf16_in_c(x, qtype, residual, out_dtype, shared):
+        return _matmul_bf16(lib, x, blocks, qtype, residual, None)
     xf = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
     m, k = xf.shape
     n = blocks.shape[0]
@@ -168,6 +175,43 @@ def matmul(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, qtype: int,
         raise KernelUnavailable(f"quantized matmul rejected its arguments (rows {m}, cols {n}, inner {k}, "
                                 f"type {name(qtype)}{' packed' if qtype > X16 else ''}): code {rc}")
     return out if out_dtype == torch.float32 else out.to(out_dtype)
+
+
+def _bf16_in_c(x: torch.Tensor, qtype: int, residual: torch.Tensor | None, out_dtype: torch.dtype,
+               shared: ctypes._CFuncPtr | None) -> bool:
+    """Whether a call goes to ps_qx16_gemm_bf16 (bf16 in and out, packed weights): the same bits
+    as widening, multiplying and rounding here, without the passes over [M, N] fp32 arrays. Not
+    for the calls shared with the decode helpers (one torch thread), which stay on ps_qgemm."""
+    return (qtype > X16 and x.dtype == torch.bfloat16 and out_dtype == torch.bfloat16 and x.dim() == 2
+            and (residual is None or residual.dtype == torch.bfloat16)
+            and not (shared is not None and torch.get_num_threads() == 1))
+
+
+def _matmul_bf16(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, qtype: int,
+                 residual: torch.Tensor | None, swiglu: int | None) -> torch.Tensor:
+    x = x.contiguous()
+    m, k = x.shape
+    n = blocks.shape[0]
+    if residual is not None:
+        residual = residual.contiguous()
+    out = torch.empty(m, n // 2 if swiglu else n, dtype=torch.bfloat16)
+    rc = lib.ps_qx16_gemm_bf16(x.data_ptr(), blocks.data_ptr(), None if residual is None else residual.data_ptr(),
+                               out.data_ptr(), m, n, k, qtype, swiglu, torch.get_num_threads())
+    if rc != 0:
+        raise KernelUnavailable(f"quantized bf16 matmul rejected its arguments (rows {m}, cols {n}, inner {k}, "
+                                f"type {name(qtype)} packed{', swiglu' if swiglu else ''}): code {rc}")
+    return out
+
+
+def matmul_swiglu(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, qtype: int, swiglu: ctypes._CFuncPtr,
+                  shared: ctypes._CFuncPtr | None = None) -> torch.Tensor | None:
+    """silu(gate) * up for W = `blocks` (gate rows, then up rows) on bf16 x, in one C call with
+    `swiglu` (cpu_layer_f32's ps_swiglu_f32) applied per unit of columns: the bits of matmul's
+    fp32 sums through that SwiGLU, rounded to bf16. None where that call does not apply (see
+    _bf16_in_c; the gate's width not a multiple of 16): the caller goes the long way."""
+    if not _bf16_in_c(x, qtype, None, torch.bfloat16, shared) or blocks.shape[0] % 32:
+        return None
+    return _matmul_bf16(lib, x, blocks, qtype, None, ctypes.cast(swiglu, ctypes.c_void_p).value)
 
 
 def dequantize_fast(lib: ctypes.CDLL, blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:

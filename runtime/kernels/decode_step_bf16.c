@@ -18,6 +18,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "bf16_round.h"
 #include "decode_step.h"
 
 int ps_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, long M, long K, float eps, int threads);
@@ -67,46 +68,12 @@ typedef struct {
     void *attn_shared;                            /* ps_decode_attention_bf16_shared, or NULL */
 } ps_step_bf16_t;
 
-static void widen(const uint16_t *x, float *y, long n) {
-    long i = 0;
-    for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(y + i, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + i))), 16)));
-    for (; i < n; i++) {
-        const uint32_t u = (uint32_t)x[i] << 16;
-        __builtin_memcpy(y + i, &u, 4);
-    }
-}
-
-/* fp32 -> bf16 rounding to nearest even, NaN to a quiet NaN: torch's Tensor.to(bfloat16), bit
-   for bit (vcvtneps2bf16 would flush denormals). */
-static inline uint16_t round_one(float f) {
-    uint32_t u;
-    __builtin_memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-static void narrow(const float *x, uint16_t *y, long n) {
-    const __m512i bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1), nan = _mm512_set1_epi32(0x7fc0);
-    long i = 0;
-    for (; i + 16 <= n; i += 16) {
-        const __m512 v = _mm512_loadu_ps(x + i);
-        const __m512i u = _mm512_castps_si512(v);
-        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, bias),
-                                                       _mm512_and_si512(_mm512_srli_epi32(u, 16), one)), 16);
-        r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan);
-        _mm256_storeu_si256((__m256i *)(y + i), _mm512_cvtepi32_epi16(r));
-    }
-    for (; i < n; i++) y[i] = round_one(x[i]);
-}
-
 /* GGUF blocks: fp32 in (x widened, the residual widened), fp32 sums, as cpu_quant.matmul. */
 static int qproj(const ps_step_bf16_t *s, const ps_proj_t *p, const float *xf, const uint16_t *res, float *y) {
     const long M = s->rows;
     const float *rf = 0;
     if (res) {
-        widen(res, s->rf, M * p->n);
+        bf16_widen(res, s->rf, M * p->n);
         rf = s->rf;
     }
     if (s->threads == 1 && s->qgemm_shared)
@@ -126,16 +93,16 @@ static int proj(const ps_step_bf16_t *s, const ps_proj_t *p, const uint16_t *x, 
                                                     act);
         return ps_gemm_bf16(x, p->w, res, y, M, p->n, p->k, out_f32, s->threads, act);
     }
-    widen(x, s->xf, M * p->k);
+    bf16_widen(x, s->xf, M * p->k);
     if (out_f32) return qproj(s, p, s->xf, res, y);
     int rc = qproj(s, p, s->xf, res, s->yf);
     if (rc) return rc;
     if (act) {
         if (!s->swiglu_f32) return -1;
         rc = ((swiglu_fn)s->swiglu_f32)(s->yf, s->xf, M, p->n / 2);
-        narrow(s->xf, y, M * (p->n / 2));
+        bf16_narrow(s->xf, y, M * (p->n / 2));
     } else {
-        narrow(s->yf, y, M * p->n);
+        bf16_narrow(s->yf, y, M * p->n);
     }
     return rc;
 }

@@ -89,6 +89,17 @@ static void quantize_row(const float *x, long k, int8_t *q, float *d, float *s) 
   for (long b = 0; b < k / QK; b++) quantize_block(x + b * QK, q + b * QK, d + b, s + b);
 }
 
+// The same from bf16 values, widened exactly (so the same bits as quantize_row on x.float()).
+static void quantize_row_bf16(const uint16_t *x, long k, int8_t *q, float *d, float *s) {
+  float xb[QK];
+  for (long b = 0; b < k / QK; b++) {
+    for (int i = 0; i < QK; i += 8)
+      _mm256_storeu_ps(xb + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                   _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x + b * QK + i))), 16)));
+    quantize_block(xb, q + b * QK, d + b, s + b);
+  }
+}
+
 // Dot products of one weight row (nb blocks of `type`) with R activation rows (stride k bytes
 // in q, nb in d and s). Inlined with constant type and R, so the branches fold away.
 static inline __attribute__((always_inline)) void row_dot(const int type, const int R, const uint8_t *w,
@@ -160,6 +171,12 @@ static inline __attribute__((always_inline)) void tile(const int type, const uin
 void ps_q_quantize_rows(const float *x, long m, long k, int8_t *q, float *d, float *s) {
   const long nb = k / QK;
   for (long i = 0; i < m; i++) quantize_row(x + i * k, k, q + i * k, d + i * nb, s + i * nb);
+}
+
+// Row i of bf16 x [m, k] quantized, for quant_x16.c's bf16 matmul (inside its parallel region).
+void ps_q_quantize_row_bf16(const uint16_t *x, long i, long k, int8_t *q, float *d, float *s) {
+  const long nb = k / QK;
+  quantize_row_bf16(x + i * k, k, q + i * k, d + i * nb, s + i * nb);
 }
 
 void ps_qx16_tiles(int type, const uint8_t *w, long t0, long t1, long m, long n, long k, const int8_t *q,

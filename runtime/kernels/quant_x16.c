@@ -24,8 +24,10 @@
 // arithmetic of quant_gemm.c's row_dot in another order of additions.
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "bf16_round.h"
 #include "quant_blocks.h"
 
 #define X16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
@@ -175,6 +177,82 @@ X16_TARGET void ps_qx16_tiles(int type, const uint8_t *w, long t0, long t1, long
     x16_unit(type, T, tile, tb, next, m, k, q, d, s, residual ? residual + 16 * t : NULL, out + 16 * t, n);
     t += T;
   }
+}
+
+int ps_q_args_ok(long m, long n, long k, long row_bytes, int type);
+void ps_q_quantize_row_bf16(const uint16_t *x, long i, long k, int8_t *q, float *d, float *s);
+typedef int (*swiglu_fn)(const float *gu, float *y, long m, long inter);
+
+// out [m, n] bf16 = x [m, k] bf16 @ W^T (+ residual [m, n] bf16), W packed (type X16 + the GGUF
+// type); with `swiglu` (layer_f32_avx2.c's ps_swiglu_f32; no residual) W holds gate rows then
+// up rows and out [m, n/2] = swiglu(gate, up).
+//
+// Why: cpu_quant.matmul on bf16 activations widened x (and the residual) with torch, kept fp32
+// sums of [m, n] and rounded them with torch, plus a separate SwiGLU over [m, n] fp32 for the MLP:
+// passes over prefill-sized arrays that cost as much as a third of the products. Here each
+// thread widens, multiplies, applies SwiGLU and rounds one unit of columns (two tiles; or with
+// `swiglu` a gate tile and its up tile) for Q_ROW_BLOCK rows at a time, in its own cache. The
+// arithmetic is that path's, element for element, so the same bits: exact widening, the same
+// kernel, the residual added to the fp32 sum, ps_swiglu_f32's per-element SwiGLU, torch's
+// rounding (bf16_round.h).
+// Returns 0, -1 for arguments it does not take, -2 when out of memory, or swiglu's code.
+X16_TARGET int ps_qx16_gemm_bf16(const uint16_t *x, const uint8_t *w, const uint16_t *residual, uint16_t *out,
+                                 long m, long n, long k, int type, swiglu_fn swiglu, int threads) {
+  const int base = type - X16;
+  if (type <= X16 || threads < 1 || !ps_q_args_ok(m, n, k, (k / QK) * block_bytes(base), type)) return -1;
+  const long inter = n / 2;
+  if (swiglu && (residual || inter % 16)) return -1;
+  const long nb = k / QK, tb = 16 * nb * block_bytes(base), tiles = n / 16;
+  const long units = swiglu ? inter / 16 : (tiles + XT - 1) / XT;
+  int8_t *q = malloc((size_t)(m * k));
+  float *ds = malloc(sizeof(float) * (size_t)(2 * m * nb));
+  if (!q || !ds) {
+    free(q);
+    free(ds);
+    return -2;
+  }
+  float *d = ds, *s = ds + m * nb;
+  int rc = 0;
+#pragma omp parallel num_threads(threads)
+  {
+    float y[Q_ROW_BLOCK * 16 * XT], z[Q_ROW_BLOCK * 16];  // 24 KB: this thread's unit, in L1/L2
+#pragma omp for schedule(static)
+    for (long i = 0; i < m; i++) ps_q_quantize_row_bf16(x, i, k, q, d, s);
+    for (long i0 = 0; i0 < m; i0 += Q_ROW_BLOCK) {
+      const long mb = m - i0 < Q_ROW_BLOCK ? m - i0 : Q_ROW_BLOCK;
+      const int8_t *qi = q + i0 * k;
+      const float *di = d + i0 * nb, *si = s + i0 * nb;
+#pragma omp for schedule(static) nowait
+      for (long u = 0; u < units; u++) {
+        if (swiglu) {
+          // gate tile u and up tile inter / 16 + u, as one unit of two tiles
+          const uint8_t *tile = w + u * tb;
+          x16_unit(base, XT, tile, (inter / 16) * tb, tile + tb, mb, k, qi, di, si, NULL, y, 32);
+          // a row at a time: ps_swiglu_f32 opens a parallel region of its own from 128 rows on
+          for (long r = 0; r < mb; r++) {
+            const int e = swiglu(y + r * 32, z + r * 16, 1, 16);
+            if (e) {
+#pragma omp atomic write
+              rc = e;
+            }
+          }
+          for (long r = 0; r < mb; r++) bf16_narrow(z + r * 16, out + (i0 + r) * inter + 16 * u, 16);
+          continue;
+        }
+        const long t = u * XT;
+        const int T = t + XT <= tiles ? XT : 1;
+        const long cols = 16 * T;
+        const uint8_t *tile = w + t * tb;
+        if (residual)
+          for (long r = 0; r < mb; r++) bf16_widen(residual + (i0 + r) * n + 16 * t, y + r * cols, cols);
+        x16_unit(base, T, tile, tb, tile + T * tb, mb, k, qi, di, si, residual ? y : NULL, y, cols);
+        for (long r = 0; r < mb; r++) bf16_narrow(y + r * cols, out + (i0 + r) * n + 16 * t, cols);
+      }
+    }
+  }
+  free(q);
+  free(ds);
+  return rc;
 }
 
 // Block b of a packed tile back to the 16 rows' GGUF blocks (out: 16 blocks, block_bytes apart),

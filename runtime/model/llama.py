@@ -139,7 +139,12 @@ class Linear(nn.Module):
                 and x.device.type == "cpu"):
             # GGUF blocks beside bf16 activations: the kernel's fp32 sums go through the fp32
             # SwiGLU and are rounded once (torch's bf16 chunk/silu/mul rounds three times, and is
-            # not something the one-call decode step could repeat bit for bit).
+            # not something the one-call decode step could repeat bit for bit). Packed weights do
+            # all of it in one C call, the same bits.
+            out = cpu_quant.matmul_swiglu(self._qlib, x, self.blocks.blocks, self.blocks.qtype,
+                                          f32_kernels.ps_swiglu_f32, shared=self._qshared)
+            if out is not None:
+                return out
             return cpu_layer_f32.swiglu(f32_kernels, self(x, out_dtype=torch.float32)).to(torch.bfloat16)
         gu = self(x)
         if f32_kernels is not None and gu.dtype == torch.float32 and gu.dim() == 2 and gu.device.type == "cpu":

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from phasesplit.runtime.kernels import build, cpu_quant
+from phasesplit.runtime.kernels import build, cpu_layer_f32, cpu_quant
 from phasesplit.runtime.model.config import ModelConfig
 from phasesplit.runtime.model.files import ModelFiles, builtin_gguf
 from phasesplit.runtime.model.quantized import apply
@@ -141,6 +141,57 @@ def test_x16_matmul_matches_torch(kind: str, m: int, n: int, k: int, threads: in
     assert (got.double() - want).abs().max().item() <= tol
     assert (got_res.double() - (want + residual.double())).abs().max().item() <= tol
     assert (got - plain).abs().max().item() <= 2 * tol
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kind", list(TYPES))
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 16, 32), (5, 48, 96), (130, 96, 64), (259, 64, 576), (3, 160, 64)])
+def test_x16_bf16_in_c_is_the_long_way_bit_for_bit(kind: str, m: int, n: int, k: int, threads: int) -> None:
+    """bf16 activations on packed weights go through one C call (ps_qx16_gemm_bf16): the same bits
+    as widening with torch, the fp32 kernel (plus the residual) and torch's rounding; and with
+    SwiGLU, as cpu_layer_f32's SwiGLU over the fp32 sums, rounded. Rows past the C side's
+    128-row blocks, an odd number of tiles (48 columns) and a NaN included."""
+    lib = _x16_lib()
+    f32 = build.layer_f32_library()
+    qtype = TYPES[kind]
+    g = torch.Generator().manual_seed(m + n + k + 11)
+    packed = cpu_quant.pack_x16(cpu_quant.quantize(torch.randn(n, k, generator=g), qtype), qtype)
+    x = (torch.randn(m, k, generator=g) * 3).bfloat16()
+    residual = torch.randn(m, n, generator=g).bfloat16()
+    residual[-1, -1] = float("nan")
+    pt = qtype + cpu_quant.X16
+    with build.num_threads(threads):
+        sums = cpu_quant.matmul(lib, x.float(), packed, pt)
+        assert torch.equal(cpu_quant.matmul(lib, x, packed, pt), sums.bfloat16())
+        got = cpu_quant.matmul(lib, x, packed, pt, residual=residual)
+        want = cpu_quant.matmul(lib, x.float(), packed, pt, residual=residual.float()).bfloat16()
+        # NaN in the same place (torch writes NaN as 0xffff from its vector code, 0x7fc0 from its
+        # scalar code; C writes 0x7fc0), every other value the same bits
+        assert torch.equal(got.isnan(), want.isnan()) and got.isnan().sum() == 1
+        assert torch.equal(got.nan_to_num().view(torch.int16), want.nan_to_num().view(torch.int16))
+        if f32 is None:
+            return
+        fused = cpu_quant.matmul_swiglu(lib, x, packed, pt, f32.ps_swiglu_f32)
+        if n % 32:  # the gate is not whole tiles
+            assert fused is None
+        else:
+            assert fused.shape == (m, n // 2)
+            assert torch.equal(fused, cpu_layer_f32.swiglu(f32, sums).bfloat16())
+
+
+def test_x16_bf16_in_c_is_refused_where_it_does_not_apply() -> None:
+    """fp32 activations, an fp32 output and a gate of 8 columns stay on the long path."""
+    lib = _x16_lib()
+    packed = cpu_quant.pack_x16(cpu_quant.quantize(torch.randn(16, 64), cpu_quant.Q8_0), cpu_quant.Q8_0)
+    pt = cpu_quant.Q8_0 + cpu_quant.X16
+    x = torch.randn(3, 64)
+    assert cpu_quant.matmul(lib, x.bfloat16(), packed, pt, out_dtype=torch.float32).dtype == torch.float32
+    f32 = build.layer_f32_library()
+    if f32 is not None:
+        assert cpu_quant.matmul_swiglu(lib, x, packed, pt, f32.ps_swiglu_f32) is None
+        assert cpu_quant.matmul_swiglu(lib, x.bfloat16(), packed, pt, f32.ps_swiglu_f32) is None  # 16 rows: I = 8
+    assert lib.ps_qx16_gemm_bf16(x.data_ptr(), packed.data_ptr(), None, x.data_ptr(), 3, 16, 64, cpu_quant.Q8_0,
+                                 None, 1) == -1  # not a packed type
 
 
 def test_x16_dense_path_and_bad_shapes() -> None:
