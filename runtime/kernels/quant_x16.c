@@ -55,19 +55,21 @@ static inline X16_TARGET __m512i bcast4(const int8_t *y) {
 
 // R activation rows (stride k bytes in q, nb in d and s) against T tiles of 16 weight rows each
 // (`stride` bytes apart): acc[r * T + t] lane c is row r's dot with weight row c of tile t; `next`
-// (or NULL): T tiles at `stride` to prefetch, block by block. Inlined with constant type, R, T.
+// (or NULL): T tiles at `stride` whose blocks b with b % pf_step == pf_phase are prefetched.
+// Inlined with constant type, R, T.
 static inline X16_TARGET __attribute__((always_inline)) void x16_rows(const int type, const int R, const int T,
                                                                       const uint8_t *tile, long stride,
                                                                       long nb, const int8_t *q, const float *d,
                                                                       const float *s, long k, __m512 *acc,
-                                                                      const uint8_t *next) {
+                                                                      const uint8_t *next, long pf_phase,
+                                                                      long pf_step) {
   const long bb = 16 * block_bytes(type);
   const long vals = type == T_Q4_1 ? 64 : 32;  // the 16 rows' fp16 header values come first
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   for (int i = 0; i < R * T; i++) acc[i] = _mm512_setzero_ps();
   for (long b = 0; b < nb; b++) {
     __m512 dw[XT], mw[XT];
-    if (next)  // the block's 16 rows, a few cache lines
+    if (next && b % pf_step == pf_phase)  // the block's 16 rows, a few cache lines
       for (int t = 0; t < T; t++)
         for (long o = 0; o < bb; o += 64) _mm_prefetch((const char *)(next + t * stride + b * bb + o), _MM_HINT_T0);
     for (int t = 0; t < T; t++) {
@@ -114,9 +116,11 @@ static inline X16_TARGET __attribute__((always_inline)) void x16_rows(const int 
 
 // T tiles (T == XT, or 1 for a last odd tile; `stride` bytes apart), all m rows, XR at a time:
 // out[r * ldo + 16 * t + c] = the sums of row r with weight row c of tile t (+ the same element of
-// `residual`, which may be `out`). `next`: the next call's first tile, prefetched while the first
-// rows run, so that streaming the weights overlaps the products (decode steps of 8-32 rows,
-// where each tile is read from memory once: 1.5x at 8 rows, 1.1x at 32).
+// `residual`, which may be `out`). `next`: the next call's T tiles, prefetched while these run, so
+// that streaming the weights overlaps the products (decode steps of 8-32 rows, where each tile
+// is read from memory once), block b during row group b % groups. 2 threads, Q8_0: all blocks
+// during the first group gave 1.5x at 8 rows and 1.1x at 32 over no prefetch (a 30 MB weight);
+// shared out over the groups, 1.7x and 1.2x more (a 120 MB one): fewer prefetches in flight at once.
 static inline X16_TARGET __attribute__((always_inline)) void x16_tiles(const int type, const int T,
                                                                        const uint8_t *tile, long stride,
                                                                        const uint8_t *next, long m, long k,
@@ -130,12 +134,13 @@ static inline X16_TARGET __attribute__((always_inline)) void x16_tiles(const int
     const int8_t *qi = q + i * k;
     const float *di = d + i * nb, *si = s + i * nb;
     const int rows = left >= XR ? XR : (int)left;
-    const uint8_t *pf = i == 0 ? next : NULL;
+    // the next tiles' blocks shared out over the row groups, so few prefetches are in flight at once
+    const long groups = (m + XR - 1) / XR, gi = i / XR;
     switch (rows) {
-      case 4: x16_rows(type, 4, T, tile, stride, nb, qi, di, si, k, acc, pf); break;
-      case 3: x16_rows(type, 3, T, tile, stride, nb, qi, di, si, k, acc, pf); break;
-      case 2: x16_rows(type, 2, T, tile, stride, nb, qi, di, si, k, acc, pf); break;
-      default: x16_rows(type, 1, T, tile, stride, nb, qi, di, si, k, acc, pf); break;
+      case 4: x16_rows(type, 4, T, tile, stride, nb, qi, di, si, k, acc, next, gi, groups); break;
+      case 3: x16_rows(type, 3, T, tile, stride, nb, qi, di, si, k, acc, next, gi, groups); break;
+      case 2: x16_rows(type, 2, T, tile, stride, nb, qi, di, si, k, acc, next, gi, groups); break;
+      default: x16_rows(type, 1, T, tile, stride, nb, qi, di, si, k, acc, next, gi, groups); break;
     }
     for (int r = 0; r < rows; r++)
       for (int t = 0; t < T; t++) {

@@ -13,10 +13,11 @@ for: phasesplit on the Q8_0 copy of the bundled model (tests/quant_models.py) wi
 fp32 on a CPU without AVX512-BF16, bf16 with it); phasesplit on the bundled Q4_1 file with `q4_1`
 and `none`; llama.cpp (llama-cpp-python from hack/bench-peers.sh) on the same two files. Ratios
 are taken between figures of the same run; the 1-minute load average is kept beside each figure.
-Each figure is the best of --repeats timed runs after a warm-up.
+Each figure is the best of --repeats timed runs after a warm-up; with --rounds N the runs take N turns
+(each its own subprocess and repeats), so that a slow spell of a shared host falls on all of them alike.
 
 Usage: ~/.cache/phasesplit/venv/bin/python tests/bench/quant_decode.py [--repeats N] [--offline-repeats N]
-       [--no-offline] [--no-llamacpp] [--only WORD] [--doc docs/benchmarks.md | --no-doc] [--json PATH]
+       [--rounds N] [--no-offline] [--no-llamacpp] [--only WORD] [--doc docs/benchmarks.md | --no-doc] [--json PATH]
 Rows not run (--only, --no-llamacpp) keep their figures from --json, so a later run can add the
 llama.cpp rows; every row carries its own time and load average.
 """
@@ -169,8 +170,11 @@ def ratio(results: dict, a: str, b: str, field: str) -> str:
 def render(results: dict, meta: dict) -> str:
     lines = [BEGIN, "", "### Quantized weights served natively (`tests/bench/quant_decode.py`)", "",
              f"Run {meta['when']} on {meta['cpu']}, {THREADS} threads; load average (1 min) "
-             f"{meta['load_before']} before, {meta['load_after']} after; each figure the best of {meta['repeats']} "
-             "with the load average when it started. Command: `" + meta["command"] + "`.", "",
+             f"{meta['load_before']} before, {meta['load_after']} after; each figure the best of "
+             + (f"{meta['repeats']}" if meta.get("rounds", 1) == 1 else
+                f"{meta['rounds']} rounds taking turns over the runs, each of {meta['repeats']}")
+             + " (offline: --offline-repeats), with the load average when it started. "
+             "Command: `" + meta["command"] + "`.", "",
              "| run | single-request decode tok/s (load) | offline 32 x 256/128 tok/s (load) | finished |",
              "| --- | --- | --- | --- |"]
     for name, *_ in RUNS:
@@ -217,6 +221,7 @@ def main() -> int:
     ap.add_argument("--no-offline", action="store_true")
     ap.add_argument("--no-llamacpp", action="store_true")
     ap.add_argument("--offline-repeats", type=int, default=None, help="timed offline batches (default --repeats)")
+    ap.add_argument("--rounds", type=int, default=1, help="turns over all runs, each with its own repeats")
     ap.add_argument("--only", default="", help="run only the rows whose name contains this (e.g. llama.cpp)")
     ap.add_argument("--doc", type=Path, default=DOC)
     ap.add_argument("--no-doc", action="store_true")
@@ -237,7 +242,7 @@ def main() -> int:
     for kind in ("q8_0", "q4_1"):
         model_file(kind)  # the Q8_0 copy is written once, outside any timing
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_before": load1(),
-            "repeats": args.repeats, "cpu": _cpu_name(),
+            "repeats": args.repeats, "rounds": args.rounds, "cpu": _cpu_name(),
             "command": "python tests/bench/quant_decode.py " + " ".join(sys.argv[1:])}
     results: dict = {}
     if args.json.exists():  # rows this run skips keep their last figures
@@ -246,13 +251,23 @@ def main() -> int:
         except ValueError:
             pass
     offline = 0 if args.no_offline else (args.offline_repeats or args.repeats)
-    for name, engine, kind, quant in RUNS:
-        if (engine == "llamacpp" and args.no_llamacpp) or args.only not in name:
-            continue
-        results[name] = run(name, engine, kind, quant, prompts_path, offline if name in OFFLINE else 0,
-                            args.timeout)
-        if "error" in results[name]:
-            print(f"{name}: {results[name]['error']}", flush=True)
+    # Rounds take turns over the runs, so that a slow spell of this shared host lands on every
+    # run alike instead of on whichever ran then; each figure is the best over all rounds.
+    for rnd in range(args.rounds):
+        for name, engine, kind, quant in RUNS:
+            if (engine == "llamacpp" and args.no_llamacpp) or args.only not in name:
+                continue
+            if rnd and "error" in results[name]:
+                continue
+            res = run(name, engine, kind, quant, prompts_path, offline if name in OFFLINE else 0, args.timeout)
+            if "error" in res:
+                print(f"{name}: {res['error']}", flush=True)
+            if rnd == 0 or "error" in res:
+                results[name] = res
+            else:
+                for field in ("decode", "offline"):
+                    results[name][field] += res[field]
+                results[name]["when"] = res["when"]
     prompts_path.unlink()
     meta["load_after"] = load1()
     args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
