@@ -205,20 +205,26 @@ int ps_q_args_ok(long m, long n, long k, long row_bytes, int type) {
   return bb != 0 && m >= 1 && n >= 1 && k >= QK && k % QK == 0 && row_bytes >= (k / QK) * bb;
 }
 
+// The activation rows' int8 copy q [m, k] with its blocks' scales d and sums s [m, k/32], in one
+// allocation (free q alone); NULL when out of memory.
+int8_t *ps_q_rows_alloc(long m, long k, float **d, float **s) {
+  const long nb = k / QK, qbytes = (m * k + 63) / 64 * 64;
+  int8_t *q = malloc((size_t)qbytes + sizeof(float) * (size_t)(2 * m * nb));
+  if (!q) return NULL;
+  *d = (float *)(q + qbytes);
+  *s = *d + m * nb;
+  return q;
+}
+
 // x [m, k] fp32, w [n rows of k/32 blocks, row_bytes apart], residual [m, n] or NULL, out [m, n].
 // Returns 0, -1 for arguments the kernel does not take, -2 when out of memory.
 int ps_qgemm(const float *x, const uint8_t *w, const float *residual, float *out, long m, long n, long k,
              long row_bytes, int type, int threads) {
   if (!ps_q_args_ok(m, n, k, row_bytes, type) || threads < 1) return -1;
   const long nb = k / QK;
-  int8_t *q = malloc((size_t)(m * k));
-  float *ds = malloc(sizeof(float) * (size_t)(2 * m * nb));
-  if (!q || !ds) {
-    free(q);
-    free(ds);
-    return -2;
-  }
-  float *d = ds, *s = ds + m * nb;
+  float *d, *s;
+  int8_t *q = ps_q_rows_alloc(m, k, &d, &s);
+  if (!q) return -2;
   const long tiles = (n + TILE_N - 1) / TILE_N;
   const long per = type > X16 ? X16_PASS : 1;
   // One parallel region for both loops: a decode step of a few dozen rows makes ~120 of these
@@ -237,7 +243,6 @@ int ps_qgemm(const float *x, const uint8_t *w, const float *residual, float *out
     }
   }
   free(q);
-  free(ds);
   return 0;
 }
 

@@ -186,6 +186,7 @@ X16_TARGET void ps_qx16_tiles(int type, const uint8_t *w, long t0, long t1, long
 
 int ps_q_args_ok(long m, long n, long k, long row_bytes, int type);
 void ps_q_quantize_row_bf16(const uint16_t *x, long i, long k, int8_t *q, float *d, float *s);
+int8_t *ps_q_rows_alloc(long m, long k, float **d, float **s);
 typedef int (*swiglu_fn)(const float *gu, float *y, long m, long inter);
 
 // out [m, n] bf16 = x [m, k] bf16 @ W^T (+ residual [m, n] bf16), W packed (type X16 + the GGUF
@@ -209,14 +210,9 @@ X16_TARGET int ps_qx16_gemm_bf16(const uint16_t *x, const uint8_t *w, const uint
   if (swiglu && (residual || inter % 16)) return -1;
   const long nb = k / QK, tb = 16 * nb * block_bytes(base), tiles = n / 16;
   const long units = swiglu ? inter / 16 : (tiles + XT - 1) / XT;
-  int8_t *q = malloc((size_t)(m * k));
-  float *ds = malloc(sizeof(float) * (size_t)(2 * m * nb));
-  if (!q || !ds) {
-    free(q);
-    free(ds);
-    return -2;
-  }
-  float *d = ds, *s = ds + m * nb;
+  float *d, *s;
+  int8_t *q = ps_q_rows_alloc(m, k, &d, &s);
+  if (!q) return -2;
   int rc = 0;
 #pragma omp parallel num_threads(threads)
   {
@@ -256,7 +252,6 @@ X16_TARGET int ps_qx16_gemm_bf16(const uint16_t *x, const uint8_t *w, const uint
     }
   }
   free(q);
-  free(ds);
   return rc;
 }
 
