@@ -150,7 +150,7 @@ def matmul(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, qtype: int,
     ps_qgemm_shared): when torch runs one thread (the runner's decode steps of a few sequences),
     the call is shared with the decode helpers, if started; the same bits either way."""
     out_dtype = out_dtype or x.dtype
-    if _bf16_in_c(x, qtype, residual, out_dtype, shared):
+    if _bf16_in_c(x, blocks, qtype, residual, out_dtype, shared) and (dense_rows is None or x.shape[0] < dense_rows):
         return _matmul_bf16(lib, x, blocks, qtype, residual, None)
     xf = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
     m, k = xf.shape
@@ -177,12 +177,13 @@ def matmul(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, qtype: int,
     return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 
-def _bf16_in_c(x: torch.Tensor, qtype: int, residual: torch.Tensor | None, out_dtype: torch.dtype,
-               shared: ctypes._CFuncPtr | None) -> bool:
+def _bf16_in_c(x: torch.Tensor, blocks: torch.Tensor, qtype: int, residual: torch.Tensor | None,
+               out_dtype: torch.dtype, shared: ctypes._CFuncPtr | None) -> bool:
     """Whether a call goes to ps_qx16_gemm_bf16 (bf16 in and out, packed weights): the same bits
     as widening, multiplying and rounding here, without the passes over [M, N] fp32 arrays. Not
     for the calls shared with the decode helpers (one torch thread), which stay on ps_qgemm."""
     return (qtype > X16 and x.dtype == torch.bfloat16 and out_dtype == torch.bfloat16 and x.dim() == 2
+            and blocks.is_contiguous()  # the C side takes whole tiles with no gap between rows
             and (residual is None or residual.dtype == torch.bfloat16)
             and not (shared is not None and torch.get_num_threads() == 1))
 
@@ -209,7 +210,7 @@ def matmul_swiglu(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, qtype
     `swiglu` (cpu_layer_f32's ps_swiglu_f32) applied per unit of columns: the bits of matmul's
     fp32 sums through that SwiGLU, rounded to bf16. None where that call does not apply (see
     _bf16_in_c; the gate's width not a multiple of 16): the caller goes the long way."""
-    if not _bf16_in_c(x, qtype, None, torch.bfloat16, shared) or blocks.shape[0] % 32:
+    if not _bf16_in_c(x, blocks, qtype, None, torch.bfloat16, shared) or blocks.shape[0] % 32:
         return None
     return _matmul_bf16(lib, x, blocks, qtype, None, ctypes.cast(swiglu, ctypes.c_void_p).value)
 

@@ -180,7 +180,8 @@ def test_x16_bf16_in_c_is_the_long_way_bit_for_bit(kind: str, m: int, n: int, k:
 
 
 def test_x16_bf16_in_c_is_refused_where_it_does_not_apply() -> None:
-    """fp32 activations, an fp32 output and a gate of 8 columns stay on the long path."""
+    """fp32 activations, an fp32 output, a gate of 8 columns and a weight view with gaps between
+    its rows stay on the long path; dense_rows still sends wide calls to the dequantized path."""
     lib = _x16_lib()
     packed = cpu_quant.pack_x16(cpu_quant.quantize(torch.randn(16, 64), cpu_quant.Q8_0), cpu_quant.Q8_0)
     pt = cpu_quant.Q8_0 + cpu_quant.X16
@@ -192,6 +193,15 @@ def test_x16_bf16_in_c_is_refused_where_it_does_not_apply() -> None:
         assert cpu_quant.matmul_swiglu(lib, x.bfloat16(), packed, pt, f32.ps_swiglu_f32) is None  # 16 rows: I = 8
     assert lib.ps_qx16_gemm_bf16(x.data_ptr(), packed.data_ptr(), None, x.data_ptr(), 3, 16, 64, cpu_quant.Q8_0,
                                  None, 1) == -1  # not a packed type
+    wide = torch.zeros(16, packed.shape[1] * 2, dtype=torch.uint8)
+    wide[:, : packed.shape[1]] = packed
+    gappy = wide[:, : packed.shape[1]]  # the same bytes, rows twice as far apart
+    want = cpu_quant.matmul(lib, x.bfloat16().float(), packed, pt).bfloat16()
+    with pytest.raises(build.KernelUnavailable, match="rejected"):  # ps_qgemm refuses gaps in packed rows
+        cpu_quant.matmul(lib, x.bfloat16(), gappy, pt)
+    dense = cpu_quant.matmul(lib, x.bfloat16(), packed, pt, dense_rows=2)
+    assert not torch.equal(dense, want)  # no activation rounding: F.linear on the dequantized weight
+    assert torch.equal(dense, F.linear(x.bfloat16().float(), cpu_quant.dequantize(packed, pt, 64)).bfloat16())
 
 
 def test_x16_dense_path_and_bad_shapes() -> None:
