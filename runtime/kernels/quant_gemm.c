@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16_round.h"
 #include "quant_blocks.h"
 
 #define TILE_N 16
@@ -93,9 +94,7 @@ static void quantize_row(const float *x, long k, int8_t *q, float *d, float *s) 
 static void quantize_row_bf16(const uint16_t *x, long k, int8_t *q, float *d, float *s) {
   float xb[QK];
   for (long b = 0; b < k / QK; b++) {
-    for (int i = 0; i < QK; i += 8)
-      _mm256_storeu_ps(xb + i, _mm256_castsi256_ps(_mm256_slli_epi32(
-                                   _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x + b * QK + i))), 16)));
+    bf16_widen(x + b * QK, xb, QK);  // AVX512: only quant_x16.c's bf16 matmul calls this
     quantize_block(xb, q + b * QK, d + b, s + b);
   }
 }
