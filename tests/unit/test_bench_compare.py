@@ -127,6 +127,24 @@ def test_the_sweep_reads_goodput_as_the_offered_rate_met_not_the_runs_length(tmp
     assert compare._point_result(tmp_path / "missing", 0.5, 1).cut
 
 
+def test_the_tables_count_goodput_as_the_sweep_does():
+    """The rendered goodput of a run is the offered rate x the share of planned requests within
+    the SLO, whatever the run's length; a request that failed or missed a target counts against it."""
+    from phasesplit.runtime.bench.metrics import RequestResult
+
+    def req(i: int, ttft: float, ok: bool = True) -> RequestResult:
+        return RequestResult(index=i, kind="chat", prompt_len=64, output_len=4, ok=ok, ttft_s=ttft,
+                             chunk_times_s=[ttft, ttft + 0.05, ttft + 0.1, ttft + 0.15])
+
+    results = [req(i, 0.2) for i in range(7)] + [req(7, 3.0), req(8, 0.2, ok=False)]
+    for duration in (10.0, 40.0):
+        run = {"planned": 10, "results": results, "summary": {"requests": 9, "duration_s": duration}}
+        good, met = compare._goodput(run, 2.0, "ttft=1s,itl=100ms")
+        assert met == 0.7 and abs(good - 1.4) < 1e-9
+    assert compare._goodput(run, 2.0, "ttft=4s,itl=100ms")[1] == 0.8
+    assert compare._goodput(run, 2.0, "ttft=4s,itl=40ms")[1] == 0.0
+
+
 def test_capacity_is_the_last_rate_before_attainment_first_falls_below_the_target():
     assert compare.slo_capacity({0.5: 1.0, 1.0: 0.95, 1.5: 0.6, 2.25: 0.92}) == (1.0, False)  # a lucky point after
     assert compare.slo_capacity({0.5: 1.0, 1.0: 0.95}) == (1.0, True)  # never fell: at least 1.0
