@@ -248,6 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--local-prefill-threshold", type=int, default=0)
     up.add_argument("--prefill-placement", choices=PLACEMENT_MODES, default="static")
     up.add_argument("--itl-target", type=seconds_or_zero, default=0.1)
+    up.add_argument("--lend-idle-prefill", dest="lend_idle_prefill", action="store_true", default=None,
+                    help="with --prefill-placement adaptive: the router lends idle prefill workers whole "
+                         "requests (the default, except where --pin-cpus workers borrow each other's cores: "
+                         "there the decode worker's steps run on the idle prefill core instead)")
     up.add_argument("--no-lend-idle-prefill", dest="lend_idle_prefill", action="store_false",
                     help="with --prefill-placement adaptive: keep whole requests off the prefill workers")
     up.add_argument("--drain-timeout", type=parse_seconds, default=300.0,

@@ -62,6 +62,21 @@ BACKOFF_BASE_S, BACKOFF_CAP_S = 1.0, 16.0
 STABLE_AFTER_S = 60.0
 
 
+def lend_idle_prefill(asked: bool | None, borrowing: bool) -> bool:
+    """Whether the router lends idle prefill workers whole requests (`--lend-idle-prefill`): as
+    asked, else unless the decode worker borrows the prefill workers' cores while they idle.
+
+    Both give the idle prefill core to decoding. Lending does it as a second engine with its own
+    batch, which reads every weight again each step on one core; borrowing as a helper of the
+    decode worker's one engine, both cores streaming one read of the weights, so steps are shorter
+    where decode is bound by memory. On the 2-core AVX512 machine, 64/128-token requests at 9.57
+    req/s, ITL target 50 ms: lending met it for 3.56 req/s of goodput, not lending for 6.39, and
+    colocated 6.60 (docs/benchmarks.md, "Lending or borrowing the idle prefill core"). Separate
+    machines (a cluster) share no cores: there only lending puts the prefill pool's idle compute
+    to decoding."""
+    return (not borrowing) if asked is None else asked
+
+
 def restart_delay(consecutive_exits: int) -> float:
     """Seconds to wait before restarting a child that has exited `consecutive_exits` times in a row."""
     return min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** max(0, consecutive_exits - 1))
@@ -173,6 +188,7 @@ def up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         urls: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
+        borrowing = False  # a decode worker computes on the prefill workers' cores while they idle
         for (role, extra), cpus in zip(workers, cpu_sets, strict=True):
             port = args.port if role == "both" else _free_port()
             url = f"http://{host}:{port}"
@@ -184,6 +200,7 @@ def up(args: argparse.Namespace) -> int:
                 others = sorted(pinned - cpus)
                 if args.borrow_idle_cpus and others:  # the other workers' cores, while they idle
                     argv += ["--borrow-idle-cpus", ",".join(map(str, others))]
+                    borrowing |= role == "decode"
                     if role == "decode" and args.pause_for_remote_prefill:  # the prefill workers borrow its core
                         argv += ["--pause-for-remote-prefill"]
             children.append(Child(role, argv, cpus, url, env))
@@ -193,8 +210,8 @@ def up(args: argparse.Namespace) -> int:
         if routed:
             router = ["serve", "--role", "router", "--host", host, "--port", str(args.port), *model, *common,
                       "--prefill-urls", ",".join(urls["prefill"]), "--decode-urls", ",".join(urls["decode"])]
-            if args.prefill_placement == "adaptive" and args.lend_idle_prefill:  # every core may decode
-                router.append("--lend-idle-prefill")
+            if args.prefill_placement == "adaptive" and lend_idle_prefill(args.lend_idle_prefill, borrowing):
+                router.append("--lend-idle-prefill")  # every core may decode
             children.append(Child("router", router, None, f"http://{host}:{args.port}", env))
             print(f"[up] router on http://{host}:{args.port} (pid {children[-1].p.pid})", flush=True)
         endpoint = f"http://{host}:{args.port}"

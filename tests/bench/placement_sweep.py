@@ -9,11 +9,12 @@ worker on the other that prefills a prompt itself when that finishes it sooner w
 systems alternate, each run driving every rate in turn with `phasesplit bench`, so noise from the
 shared machine falls on both; the repetitions show how large it is.
 
-Split lends idle prefill workers whole requests (`--lend-idle-prefill`, routing.lend_prefill);
-`--systems colocated,split,split-nolend` adds split without it to the same run. Each split worker
-borrows the other's core while it idles (`up --pin-cpus` gives it `--borrow-idle-cpus`);
-`split-noborrow` is split without that, and `split-nopause` split whose decode worker never leaves
-its core to a remote prefill (`up --no-pause-for-remote-prefill`; LLMEngine.remote_pause).
+Each split worker borrows the other's core while it idles (`up --pin-cpus` gives it
+`--borrow-idle-cpus`), and so the router lends idle prefill workers no whole requests
+(`--lend-idle-prefill`, routing.lend_prefill; up.lend_idle_prefill): `split-lend` is split with
+lending, `split-nolend` split with it refused explicitly, `split-noborrow` split without borrowing
+(so with lending), and `split-nopause` split whose decode worker never leaves its core to a
+remote prefill (`up --no-pause-for-remote-prefill`; LLMEngine.remote_pause).
 
 Printed per rate, system and repetition: completed requests/s, TTFT p50/p90, pooled ITL p90/p99,
 goodput under each --slo (the bench's own definition: TTFT and the request's mean ITL within
@@ -91,6 +92,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     split = ["--pin-cpus", "--prefill-placement", "adaptive", "--itl-target", a.itl_target]
     known = {"colocated": ["--colocated"], "split": split, "split-nolend": [*split, "--no-lend-idle-prefill"],
+             "split-lend": [*split, "--lend-idle-prefill"],
              "split-noborrow": [*split, "--no-borrow-idle-cpus"],
              "split-nopause": [*split, "--no-pause-for-remote-prefill"]}
     systems = {name: known[name] for name in a.systems.split(",")}

@@ -87,3 +87,14 @@ def test_cpu_lists_parse_as_taskset_writes_them():
     assert build_parser().parse_args(["serve", "--role", "decode"]).pause_for_remote_prefill is False
     assert build_parser().parse_args(["up", "--pin-cpus"]).pause_for_remote_prefill is True
     assert build_parser().parse_args(["up", "--no-pause-for-remote-prefill"]).pause_for_remote_prefill is False
+
+
+def test_up_lends_idle_prefill_workers_unless_the_decode_worker_borrows_their_cores():
+    from phasesplit.runtime.cli import build_parser
+    from phasesplit.runtime.up import lend_idle_prefill
+
+    asked = [build_parser().parse_args(["up", *flags]).lend_idle_prefill
+             for flags in ([], ["--lend-idle-prefill"], ["--no-lend-idle-prefill"])]
+    assert asked == [None, True, False]
+    assert [lend_idle_prefill(a, borrowing=False) for a in asked] == [True, True, False]
+    assert [lend_idle_prefill(a, borrowing=True) for a in asked] == [False, True, False]
