@@ -7,9 +7,10 @@ engine's defaults (`LLMEngine('smollm2')`: dtype auto, the runtime's thread coun
              it is served from: fp32, or bf16 where dtype auto keeps the weights in bf16 for the
              AVX2 kernel; the head: its own copy, or the embedding table it is tied to; the norms;
              the embedding lookup reads one row, not counted) / the time of one read of a buffer
-             that size on the engine's threads, best of 7 of each of two reads: `torch.sum`
-             over it, and read_peak.c's loop of AVX512 loads (one contiguous part a thread, with
-             and without a software prefetch; the faster); the bound is the faster read's:
+             that size on the engine's threads, best of 7 of each of three reads: `torch.sum`
+             over it, and read_peak.c's loop of AVX512 loads (64-bit ones without AVX512; one
+             contiguous part a thread, with and without a software prefetch); the bound is the
+             fastest read's:
              tokens/s a step could reach if it did nothing but stream its weights once;
   decode     tokens/s of one greedy request, as engine_peers.py measures it: 128 / (time(256-token
              prompt + 129 tokens) - time(prompt + 1 token)), best of --repeats after a warm-up;
@@ -17,8 +18,8 @@ engine's defaults (`LLMEngine('smollm2')`: dtype auto, the runtime's thread coun
              (`while True: pass`, pinned), so that "decode under a busy neighbour" is measured
              against the idle figure of the same run;
   paired     (--paired) one process taking turns: an engine step of the greedy request, then the
-             bound's two reads, for each of the request's 128 decode steps, --repeats requests;
-             the medians of the step and of each read, and the ratio to the faster read's. The read speed of a
+             bound's reads, for each of the request's 128 decode steps, --repeats requests; the
+             medians of the step and of each read, and the ratio to the fastest read's. The read speed of a
              shared VM moves by a third within seconds (27-50 GB/s between reads a second apart
              here), so the bound's best-of-7 read and a best-of-N decode run seconds apart measure
              different machines; a pair a few ms apart measures one.
@@ -121,9 +122,10 @@ def worker(kind: str, dtype: str, repeats: int, out: Path, small_rule: bool) -> 
         buf = torch.ones(weight_bytes // 4, dtype=torch.float32)
         c_read = read_kernel(out.parent)
         threads = eng.runner.threads
+        loads = "AVX512 loads" if "avx512f" in Path("/proc/cpuinfo").read_text().split() else "64-bit loads"
         reads = {"torch.sum": lambda: buf.sum(),
-                 "AVX512 loads": lambda: c_read(buf, threads, 0),
-                 "AVX512 loads + prefetch": lambda: c_read(buf, threads, PREFETCH_BYTES)}
+                 loads: lambda: c_read(buf, threads, 0),
+                 f"{loads} + prefetch": lambda: c_read(buf, threads, PREFETCH_BYTES)}
     if kind == "bound":
         best = {}
         for _ in range(7):  # taking turns, so that a slow spell of the VM falls on every read
