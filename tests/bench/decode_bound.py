@@ -98,9 +98,18 @@ def read_kernel(tmp: Path) -> Callable[[object, int, int], int]:
     return read
 
 
+def fastest_read(res: dict, read_s: dict[str, float], weight_bytes: int) -> None:
+    """Each read's speed into res, and the fastest read's name and seconds (the bound's)."""
+    res["reads_gb_s"] = {name: round(weight_bytes / t / 1e9, 1) for name, t in read_s.items()}
+    res["read"] = min(read_s, key=read_s.get)
+    res["read_s"] = read_s[res["read"]]
+    res["gb_s"] = weight_bytes / res["read_s"] / 1e9
+
+
 def worker(kind: str, dtype: str, repeats: int, out: Path, small_rule: bool) -> None:
     import torch
 
+    from phasesplit.runtime import cpu_info
     from phasesplit.runtime.engine.engine import EngineConfig, LLMEngine
     from phasesplit.runtime.engine.model_runner import RunnerConfig
     from phasesplit.runtime.request import SamplingParams
@@ -122,7 +131,7 @@ def worker(kind: str, dtype: str, repeats: int, out: Path, small_rule: bool) -> 
         buf = torch.ones(weight_bytes // 4, dtype=torch.float32)
         c_read = read_kernel(out.parent)
         threads = eng.runner.threads
-        loads = "AVX512 loads" if "avx512f" in Path("/proc/cpuinfo").read_text().split() else "64-bit loads"
+        loads = "AVX512 loads" if "avx512f" in cpu_info.flags() else "64-bit loads"  # read_peak.c's own choice
         reads = {"torch.sum": lambda: buf.sum(),
                  loads: lambda: c_read(buf, threads, 0),
                  f"{loads} + prefetch": lambda: c_read(buf, threads, PREFETCH_BYTES)}
@@ -133,10 +142,7 @@ def worker(kind: str, dtype: str, repeats: int, out: Path, small_rule: bool) -> 
                 t0 = time.perf_counter()
                 read()
                 best[name] = min(best.get(name, math.inf), time.perf_counter() - t0)
-        res["reads_gb_s"] = {name: round(weight_bytes / t / 1e9, 1) for name, t in best.items()}
-        res["read"] = min(best, key=best.get)
-        res["read_s"] = best[res["read"]]
-        res["gb_s"] = weight_bytes / res["read_s"] / 1e9
+        fastest_read(res, best, weight_bytes)
         res["tok_s"] = 1.0 / res["read_s"]
     elif kind == "paired":
         steps, times = [], {name: [] for name in reads}
@@ -152,14 +158,10 @@ def worker(kind: str, dtype: str, repeats: int, out: Path, small_rule: bool) -> 
                     read()
                     times[name].append(time.perf_counter() - t0)
         res["step_s"] = statistics.median(steps)
-        medians = {name: statistics.median(v) for name, v in times.items()}
-        res["reads_gb_s"] = {name: round(weight_bytes / t / 1e9, 1) for name, t in medians.items()}
-        res["read"] = min(medians, key=medians.get)
-        res["read_s"] = medians[res["read"]]
+        fastest_read(res, {name: statistics.median(v) for name, v in times.items()}, weight_bytes)
         res["pairs"] = len(steps)
         res["ratio"] = res["read_s"] / res["step_s"]
         res["tok_s"] = 1.0 / res["step_s"]
-        res["gb_s"] = weight_bytes / res["read_s"] / 1e9
     else:
         vals = []
         for pair in prompts["decode"]:
